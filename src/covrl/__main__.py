@@ -1,0 +1,5 @@
+import sys
+
+from covrl.cli import main
+
+sys.exit(main())

@@ -1,0 +1,11 @@
+"""Benchmarks. Each module exposes `configure(parser)` and `run(args) -> dict`; results land as JSON + a table
+under `benchmarks/` with the machine description. Timings live here, never in test assertions."""
+
+BENCHES: dict[str, str] = {
+    "trl": "covrl.bench.trl_bench",
+    "time-to-accuracy": "covrl.bench.time_to_accuracy",
+    "rollout": "covrl.bench.rollout_bench",
+    "step": "covrl.bench.step_bench",
+    "async": "covrl.bench.async_bench",
+    "explore": "covrl.bench.explore_bench",
+}

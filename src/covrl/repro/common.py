@@ -1,0 +1,83 @@
+"""What every reproduction writes: `result.json` (claim, measured numbers, pass/fail per criterion),
+a PNG figure, and a short `report.md`."""
+
+from __future__ import annotations
+
+import json
+import math
+import platform
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Any
+
+
+@dataclass
+class Criterion:
+    """One checkable statement: `measured` compared against `target` (a human-readable rule)."""
+
+    name: str
+    measured: Any
+    target: str
+    passed: bool
+
+
+@dataclass
+class ReproResult:
+    name: str
+    claim: str
+    criteria: list[Criterion] = field(default_factory=list)
+    numbers: dict[str, Any] = field(default_factory=dict)
+    figures: list[str] = field(default_factory=list)
+    notes: str = ""
+    seconds: float = 0.0
+
+    def check(self, name: str, measured: Any, target: str, passed: bool) -> bool:
+        self.criteria.append(Criterion(name, _jsonable(measured), target, bool(passed)))
+        return bool(passed)
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.criteria)
+
+
+def _jsonable(x: Any) -> Any:
+    if hasattr(x, "tolist"):
+        x = x.tolist()
+    if isinstance(x, float) and not math.isfinite(x):
+        return str(x)
+    if isinstance(x, dict):
+        return {str(k): _jsonable(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_jsonable(v) for v in x]
+    return x
+
+
+def write_result(result: ReproResult, out_dir: Path) -> Path:
+    """Write result.json and report.md into out_dir; returns the JSON path."""
+    out_dir.mkdir(parents=True, exist_ok=True)
+    payload = asdict(result)
+    payload["passed"] = result.passed
+    payload["machine"] = {"python": platform.python_version(), "platform": platform.platform()}
+    payload["written_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
+    path = out_dir / "result.json"
+    path.write_text(json.dumps(_jsonable(payload), indent=2))
+    lines = [f"# {result.name}", "", result.claim, "", "| criterion | measured | target | pass |", "|---|---|---|---|"]
+    for c in result.criteria:
+        lines.append(f"| {c.name} | {_short(c.measured)} | {c.target} | {'yes' if c.passed else 'NO'} |")
+    lines += ["", *(f"![{f}]({f})" for f in result.figures)]
+    if result.notes:
+        lines += ["", result.notes]
+    lines += ["", f"Ran in {result.seconds:.1f} s."]
+    (out_dir / "report.md").write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _short(x: Any) -> str:
+    if isinstance(x, float):
+        return f"{x:.4g}"
+    if isinstance(x, list) and len(x) > 6:
+        return "[" + ", ".join(_short(v) for v in x[:6]) + ", …]"
+    if isinstance(x, list):
+        return "[" + ", ".join(_short(v) for v in x) + "]"
+    return str(x)
