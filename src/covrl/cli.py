@@ -22,7 +22,9 @@ COMMANDS: dict[str, tuple[str, str]] = {
 
 
 def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="covrl", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(
+        prog="covrl", description="covrl: reinforcement learning for language models, measured from the sampler."
+    )
     parser.add_argument("--version", action="version", version=f"covrl {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (module_name, help_text) in COMMANDS.items():
