@@ -1,0 +1,305 @@
+"""Advantage estimators (RESEARCH §7), one registry with one signature.
+
+`compute_advantages(name, *, rewards, mask, group_ids, **inputs)` prepares an `AdvantageBatch` (token rewards,
+reward-to-go, per-sequence scores, compact group index) and calls `ADVANTAGE_ESTIMATORS[name](batch, **options)`,
+which returns advantages [B, T]. Adding an estimator is one function plus one registry line.
+
+Conventions
+- rewards [B] (outcome) are placed on the last valid token of each row; rewards [B, T] are per token.
+- score_b = Σ_t r_bt m_bt for per-token rewards, = rewards_b for outcome rewards (so an all-masked row still
+  counts in its group's statistics); reward-to-go G_t = Σ_{k≥t} r_k m_k. `returns` = G_t·m_t for every estimator.
+- group_ids [B] integer (any values); rows with equal ids form a group. Everything is vectorised with index_add
+  over a compact group index; no Python loop over groups or positions.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from covrl.math._util import check_2d, choose, item, masked_mean
+from covrl.math.logprobs import logit_grad_proxy
+
+GRPO_EPS = 1e-6
+OTB_EPS = 1e-8
+
+
+@dataclass
+class AdvantageOutput:
+    """advantages [B, T] and returns [B, T] (reward-to-go, 0 on padding), both fp32 and detached; metrics."""
+
+    advantages: torch.Tensor
+    returns: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class AdvantageBatch:
+    """What every estimator receives (built by `compute_advantages`).
+
+    token_rewards [B, T] fp32 (outcome rewards already placed on the last valid token), mask [B, T] fp32,
+    returns [B, T] reward-to-go G_t·m_t, scores [B] per-sequence score, group_index [B] long in [0, num_groups),
+    group_size [B] long (size of each row's group).
+    """
+
+    token_rewards: torch.Tensor
+    mask: torch.Tensor
+    returns: torch.Tensor
+    scores: torch.Tensor
+    group_index: torch.Tensor
+    num_groups: int
+    group_size: torch.Tensor
+
+    def group_sum(self, x: torch.Tensor) -> torch.Tensor:
+        """Σ over the rows of each group: [B, ...] -> [num_groups, ...]."""
+        out = torch.zeros((self.num_groups, *x.shape[1:]), dtype=x.dtype, device=x.device)
+        return out.index_add_(0, self.group_index, x)
+
+    def group_mean_std(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """Per-row group mean and unbiased std of `scores` ([B] each); std = 0 for a group of one."""
+        n = self.group_size.to(self.scores.dtype)
+        mean = (self.group_sum(self.scores) / self.group_sum(torch.ones_like(self.scores)))[self.group_index]
+        dev2 = self.group_sum((self.scores - mean).square())[self.group_index]
+        std = torch.where(n > 1, (dev2 / (n - 1).clamp_min(1)).sqrt(), torch.zeros_like(dev2))
+        return mean, std
+
+
+# ---------------------------------------------------------------------------------------------- estimators
+
+def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return per_seq[:, None] * mask
+
+
+def grpo(batch: AdvantageBatch, *, eps: float = GRPO_EPS) -> torch.Tensor:
+    """A = (R − mean_g) / (std_g + eps), std unbiased; a group of one uses mean 0, std 1 (A = R), as verl does."""
+    mean, std = batch.group_mean_std()
+    single = batch.group_size == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return _broadcast((batch.scores - mean) / (std + eps), batch.mask)
+
+
+def dr_grpo(batch: AdvantageBatch) -> torch.Tensor:
+    """A = R − mean_g (no std); a group of one uses mean 0 (A = R)."""
+    mean, _ = batch.group_mean_std()
+    mean = torch.where(batch.group_size == 1, torch.zeros_like(mean), mean)
+    return _broadcast(batch.scores - mean, batch.mask)
+
+
+def rloo(batch: AdvantageBatch) -> torch.Tensor:
+    """A = R − mean of the other N−1 rows of the group = N/(N−1)·(R − mean_g); 0 for a group of one."""
+    total = batch.group_sum(batch.scores)[batch.group_index]
+    n = batch.group_size.to(batch.scores.dtype)
+    loo = (total - batch.scores) / (n - 1).clamp_min(1)
+    adv = torch.where(batch.group_size > 1, batch.scores - loo, torch.zeros_like(loo))
+    return _broadcast(adv, batch.mask)
+
+
+def reinforce(batch: AdvantageBatch) -> torch.Tensor:
+    """A_t = G_t (reward-to-go, no baseline); equals R on every valid token for outcome rewards."""
+    return batch.returns.clone()
+
+
+def _otb_core(returns: torch.Tensor, mask: torch.Tensor, w: torch.Tensor, batch: AdvantageBatch,
+              handle_zero_tail: bool) -> torch.Tensor:
+    """OTB on an aligned [B, T] layout: W_t = Σ_{j≤t} w_j m_j, B_t = Σ_i G W m / (Σ_i W m + 1e-8), A = (G − B)m."""
+    energy = torch.cumsum(w * mask, dim=1)
+    num = batch.group_sum(returns * energy * mask)[batch.group_index]
+    den = batch.group_sum(energy * mask)[batch.group_index]
+    baseline = num / (den + OTB_EPS)
+    no_baseline = (batch.group_size == 1)[:, None].expand_as(baseline)
+    if handle_zero_tail:
+        # positions where only one row of the group is still valid: the uniquely longest row's tail
+        valid_count = batch.group_sum((mask > 0).to(torch.float32))[batch.group_index]
+        no_baseline = no_baseline | (valid_count <= 1)
+    baseline = torch.where(no_baseline, torch.zeros_like(baseline), baseline)
+    return (returns - baseline) * mask
+
+
+def _otb_proxy(logprobs, sum_pi_sq, is_weights, mask) -> torch.Tensor:
+    for name, x in (("logprobs", logprobs), ("sum_pi_sq", sum_pi_sq), ("is_weights", is_weights)):
+        if x is not None and tuple(x.shape) != tuple(mask.shape):
+            raise ValueError(f"otb input {name} must have the shape of mask {list(mask.shape)}; "
+                             f"got {list(x.shape)}")
+    if logprobs is None or sum_pi_sq is None:
+        raise ValueError("otb needs the trainer's `logprobs` [B, T] and `sum_pi_sq` [B, T] "
+                         "(covrl.math.sum_pi_squared of the trainer's temperature-scaled logits)")
+    w = logit_grad_proxy(logprobs.detach(), sum_pi_sq.detach())
+    if is_weights is not None:
+        w = w * is_weights.detach().float().square()
+    return w
+
+
+def otb(batch: AdvantageBatch, *, logprobs: torch.Tensor | None = None, sum_pi_sq: torch.Tensor | None = None,
+        is_weights: torch.Tensor | None = None, handle_zero_tail: bool = True) -> torch.Tensor:
+    """Optimal Token Baseline (RESEARCH §7), per token and causal.
+
+    w_t = 1 − 2π_t(y_t) + Σπ_t² (·ρ̄_t² with `is_weights`), W_t = Σ_{j≤t} w_j m_j, G_t reward-to-go,
+    B_t = Σ_{i∈g} G_t W_t m_t / (Σ_{i∈g} W_t m_t + 1e-8) per group and position t, A_t = (G_t − B_t)·m_t.
+    A group of one gets A = G. `handle_zero_tail`: where only one row of a group is valid (the uniquely
+    longest row past the second-longest length) the baseline is 0 instead of ≈ G.
+    """
+    w = _otb_proxy(logprobs, sum_pi_sq, is_weights, batch.mask)
+    return _otb_core(batch.returns, batch.mask, w, batch, handle_zero_tail)
+
+
+def otb_tir(batch: AdvantageBatch, *, logprobs: torch.Tensor | None = None,
+            sum_pi_sq: torch.Tensor | None = None, is_weights: torch.Tensor | None = None,
+            generated_mask: torch.Tensor | None = None, handle_zero_tail: bool = True) -> torch.Tensor:
+    """OTB for multi-turn rollouts with tool output inside the response (tool-integrated reasoning).
+
+    `generated_mask` [B, T]: 1 on model-generated tokens, 0 on tool/observation tokens (default: `mask`, i.e.
+    tool tokens already masked out). Tokens with mask·generated_mask = 1 are re-indexed k = 0, 1, ... per row;
+    the energy W and the baseline are computed on that compact index (the k-th generated token of each row is
+    compared with the k-th generated token of the others), the reward-to-go G_t in the original layout (rewards
+    after a token count, wherever they sit). Tool tokens get A = 0.
+    """
+    mask = batch.mask
+    if generated_mask is None:
+        generated_mask = mask
+    if tuple(generated_mask.shape) != tuple(mask.shape):
+        raise ValueError(f"otb_tir generated_mask must have the shape of mask {list(mask.shape)}; "
+                         f"got {list(generated_mask.shape)}")
+    w = _otb_proxy(logprobs, sum_pi_sq, is_weights, mask)
+    eff = (mask > 0) & (generated_mask > 0)
+    rows, cols = mask.shape
+    compact_len = int(eff.sum(1).max().item()) if rows else 0
+    k = torch.cumsum(eff.long(), dim=1) - 1
+    # non-generated tokens are scattered into a trash column at index compact_len
+    target = torch.where(eff, k, torch.full_like(k, compact_len))
+
+    def compact(x: torch.Tensor) -> torch.Tensor:
+        out = torch.zeros((rows, compact_len + 1), dtype=torch.float32, device=x.device)
+        return out.scatter_(1, target, x.float())[:, :compact_len]
+
+    mask_c = compact(eff.float())
+    adv_c = _otb_core(compact(batch.returns), mask_c, compact(w), batch, handle_zero_tail)
+    adv_c = torch.cat([adv_c, torch.zeros((rows, 1), dtype=adv_c.dtype, device=adv_c.device)], dim=1)
+    return adv_c.gather(1, target) * eff.float()
+
+
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
+    "grpo": grpo,
+    "dr_grpo": dr_grpo,
+    "rloo": rloo,
+    "reinforce": reinforce,
+    "otb": otb,
+    "otb_tir": otb_tir,
+}
+
+# inputs compute_advantages itself understands (for the variance-proxy metrics) even if the estimator does not
+_METRIC_INPUTS = ("logprobs", "sum_pi_sq", "is_weights", "grad_norm_sq")
+
+
+# ------------------------------------------------------------------------------------------------ plumbing
+
+def _place_rewards(rewards: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Token rewards [B, T] and scores [B] from outcome ([B]) or per-token ([B, T]) rewards."""
+    rows, cols = mask.shape
+    if rewards.dim() == 1:
+        if rewards.shape[0] != rows:
+            raise ValueError(f"rewards [B] must have B = {rows} (mask {list(mask.shape)}); got {list(rewards.shape)}")
+        valid = mask > 0
+        positions = torch.arange(cols, device=mask.device).expand(rows, cols)
+        last = torch.where(valid, positions, torch.full_like(positions, -1)).amax(dim=1)
+        token = torch.zeros((rows, cols), dtype=torch.float32, device=mask.device)
+        has = last >= 0
+        token[has, last[has]] = rewards.float()[has]
+        return token, rewards.float()
+    if tuple(rewards.shape) != (rows, cols):
+        raise ValueError(f"rewards must be [B] or [B, T] = {list(mask.shape)}; got {list(rewards.shape)}")
+    token = rewards.float() * mask
+    return token, token.sum(1)
+
+
+def make_advantage_batch(rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor) -> AdvantageBatch:
+    """Validate inputs and precompute what the estimators share (see `AdvantageBatch`)."""
+    check_2d("mask", mask)
+    mask = mask.float()
+    if group_ids.dim() != 1 or group_ids.shape[0] != mask.shape[0]:
+        raise ValueError(f"group_ids must be [B] with B = {mask.shape[0]}; got {list(group_ids.shape)}")
+    if group_ids.is_floating_point():
+        raise ValueError(f"group_ids must be an integer tensor; got dtype {group_ids.dtype}")
+    token_rewards, scores = _place_rewards(rewards.detach(), mask)
+    returns = torch.flip(torch.cumsum(torch.flip(token_rewards * mask, [1]), 1), [1]) * mask
+    uniq, index = torch.unique(group_ids, return_inverse=True)
+    num_groups = int(uniq.numel())
+    counts = torch.bincount(index, minlength=num_groups)
+    return AdvantageBatch(token_rewards=token_rewards, mask=mask, returns=returns, scores=scores,
+                          group_index=index, num_groups=num_groups, group_size=counts[index])
+
+
+def variance_proxies(advantages: torch.Tensor, mask: torch.Tensor, proxy: torch.Tensor,
+                     grad_norm_sq: float | None = None) -> dict[str, float]:
+    """Gradient-variance proxies (RESEARCH §7).
+
+    Per sequence Â_b = mean_t A (valid tokens), Ŵ_b = Σ_t w_t m_t with w the logit-gradient proxy;
+    total power P = mean_b Â_b²·max(Ŵ_b, 0); with the measured squared gradient norm (signal ‖ḡ‖²):
+    noise = max(0, (P − signal)/(N − 1)), N = number of sequences.
+    """
+    a_hat = masked_mean(advantages.float(), mask, dim=1)
+    w_hat = (proxy.float() * mask).sum(1)
+    power = (a_hat.square() * w_hat.clamp_min(0)).mean()
+    out = {"adv/var_power": item(power), "adv/var_proxy_mean": item(w_hat.mean())}
+    if grad_norm_sq is not None:
+        n = advantages.shape[0]
+        out["adv/var_signal"] = float(grad_norm_sq)
+        out["adv/var_noise"] = max(0.0, (item(power) - float(grad_norm_sq)) / max(n - 1, 1))
+    return out
+
+
+def _metrics(batch: AdvantageBatch, adv: torch.Tensor) -> dict[str, float]:
+    mask = batch.mask
+    valid = mask > 0
+    _, std = batch.group_mean_std()
+    zero_std_rows = (std == 0).float()
+    # a group has zero std iff all its rows do; groups of one count as zero-std (no contrast)
+    zero_std_groups = batch.group_sum(zero_std_rows) == batch.group_sum(torch.ones_like(zero_std_rows))
+    vals = adv[valid]
+    m = {
+        "adv/mean": item(vals.mean()) if vals.numel() else 0.0,
+        "adv/std": item(vals.std(unbiased=False)) if vals.numel() else 0.0,
+        "adv/abs_max": item(vals.abs().max()) if vals.numel() else 0.0,
+        "adv/num_groups": float(batch.num_groups),
+        "adv/group_size_mean": float(batch.scores.shape[0]) / max(batch.num_groups, 1),
+        "adv/frac_zero_std_groups": item(zero_std_groups.float().mean()) if batch.num_groups else 0.0,
+        "adv/frac_singleton_groups": item((batch.group_sum(torch.ones_like(zero_std_rows)) == 1).float().mean())
+        if batch.num_groups else 0.0,
+        "adv/score_mean": item(batch.scores.mean()) if batch.scores.numel() else 0.0,
+        "adv/score_std": item(batch.scores.std(unbiased=False)) if batch.scores.numel() else 0.0,
+        "adv/frac_zero_adv_tokens": item((vals == 0).float().mean()) if vals.numel() else 0.0,
+    }
+    return m
+
+
+def compute_advantages(name: str, *, rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
+                       **inputs) -> AdvantageOutput:
+    """Advantages [B, T] by estimator `name` (one of ADVANTAGE_ESTIMATORS: grpo, dr_grpo, rloo, reinforce, otb,
+    otb_tir). See each estimator's docstring for its formula and options.
+
+    rewards [B] or [B, T]; mask [B, T]; group_ids [B] integer. Extra `inputs` are the estimator's options
+    (e.g. otb: logprobs, sum_pi_sq, is_weights, handle_zero_tail; grpo: eps). Any estimator also accepts
+    `logprobs` + `sum_pi_sq` (+ `is_weights`) to report the gradient-variance proxies of RESEARCH §7, and
+    `grad_norm_sq` for the noise estimate. Unknown inputs raise a TypeError naming the accepted ones.
+    Metrics: adv/mean, adv/std, adv/abs_max, adv/num_groups, adv/group_size_mean, adv/frac_zero_std_groups,
+    adv/frac_singleton_groups, adv/score_mean, adv/score_std, adv/frac_zero_adv_tokens, adv/var_* (proxies).
+    """
+    fn = choose(name, "advantage estimator", ADVANTAGE_ESTIMATORS)
+    params = inspect.signature(fn).parameters
+    accepted = [p for p in params if p != "batch"]
+    unknown = [k for k in inputs if k not in accepted and k not in _METRIC_INPUTS]
+    if unknown:
+        raise TypeError(f"advantage estimator {name!r} got unknown inputs {unknown}; accepted: "
+                        f"{sorted(set(accepted) | set(_METRIC_INPUTS))}")
+    batch = make_advantage_batch(rewards, mask, group_ids)
+    with torch.no_grad():
+        adv = fn(batch, **{k: v for k, v in inputs.items() if k in accepted}).float()
+        metrics = _metrics(batch, adv)
+        lp, sps = inputs.get("logprobs"), inputs.get("sum_pi_sq")
+        if lp is not None and sps is not None:
+            proxy = _otb_proxy(lp, sps, inputs.get("is_weights"), batch.mask)
+            metrics.update(variance_proxies(adv, batch.mask, proxy, inputs.get("grad_norm_sq")))
+    return AdvantageOutput(advantages=adv, returns=batch.returns, metrics=metrics)

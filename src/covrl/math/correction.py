@@ -1,0 +1,272 @@
+"""Rollout correction (RESEARCH §6): importance weights, rejection (masking) and mismatch metrics.
+
+r_t = p_train(y_t|c_t)/q_sampler(y_t|c_t) on every drawn token, lr_t = log r_t clamped to ±20.
+
+Importance sampling (`is_level`):
+- None: weights = 1 on valid tokens.
+- "token": w_t = min(ρ_t, C); with a band (lo, hi): w_t = ρ_t if lo ≤ ρ_t ≤ hi else 0 (IcePop).
+- "sequence": ρ = exp(clamp(Σ_t lr_t m_t, ±20)); w = min(ρ, C) or band as above, broadcast over the row.
+- `is_batch_normalize`: divide by the mean weight over kept tokens (token) or kept rows (sequence).
+Weights are detached and 0 on padding.
+
+Rejection (`rs` with `rs_threshold`, all criteria must pass; a rejected token or row gets keep = 0), with
+k1 = −lr, k2 = ½ lr², k3 = r − 1 − lr per valid token:
+- token_k1 | token_k2 | token_k3: per token.
+- seq_sum_k*: Σ_t k over valid tokens; seq_mean_k*: mean over valid tokens; seq_max_k2 | seq_max_k3: max.
+- k2/k3 thresholds are upper bounds δ (keep if statistic ≤ δ). k1 thresholds are bands on the ratio:
+  (lo, hi) keeps token_k1 if lo ≤ ρ_t ≤ hi, seq_sum_k1 if lo ≤ exp(Σ lr) ≤ hi, seq_mean_k1 if
+  lo ≤ exp(mean lr) ≤ hi (the geometric, length-invariant ratio); a single number t > 1 means (1/t, t).
+`keep` is already multiplied by `mask`. To "normalise by the full count" (TRM) aggregate the loss of the kept
+tokens with the original mask: aggregate(token_loss * keep, mask, mode).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Literal
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from covrl.math._util import check_2d, check_same_shape, clamped_log_ratio, item, masked_max, masked_mean
+
+Band = tuple[float, float]
+
+
+# ------------------------------------------------------------------------------------------ rejection stats
+
+def _k1(lr):
+    return -lr
+
+
+def _k2(lr):
+    return 0.5 * lr.square()
+
+
+def _k3(lr):
+    return torch.expm1(lr) - lr
+
+
+_K = {"k1": _k1, "k2": _k2, "k3": _k3}
+
+
+def _token_stat(k):
+    def stat(lr, mask):
+        return _K[k](lr)
+    return stat
+
+
+def _seq_sum(k):
+    def stat(lr, mask):
+        return (torch.where(mask > 0, _K[k](lr), torch.zeros_like(lr))).sum(1, keepdim=True)
+    return stat
+
+
+def _seq_mean(k):
+    def stat(lr, mask):
+        return masked_mean(_K[k](lr), mask, dim=1)[:, None]
+    return stat
+
+
+def _seq_max(k):
+    def stat(lr, mask):
+        return masked_max(_K[k](lr), mask, dim=1)[:, None]
+    return stat
+
+
+# name -> statistic(lr [B,T], mask [B,T]) -> [B,T] (token) or [B,1] (sequence); k1 statistics are −log ratio
+REJECTION_CRITERIA: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "token_k1": _token_stat("k1"), "token_k2": _token_stat("k2"), "token_k3": _token_stat("k3"),
+    "seq_sum_k1": _seq_sum("k1"), "seq_sum_k2": _seq_sum("k2"), "seq_sum_k3": _seq_sum("k3"),
+    "seq_mean_k1": _seq_mean("k1"), "seq_mean_k2": _seq_mean("k2"), "seq_mean_k3": _seq_mean("k3"),
+    "seq_max_k2": _seq_max("k2"), "seq_max_k3": _seq_max("k3"),
+}
+
+
+class CorrectionConfig(BaseModel):
+    """Rollout-correction options (RESEARCH §6; meanings compatible with verl's rollout_is / rollout_rs)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    is_level: Literal["token", "sequence"] | None = Field(
+        None, description="importance-sampling level: None (no IS weights), 'token' or 'sequence'")
+    is_threshold: float | tuple[float, float] = Field(
+        2.0, description="truncation C of the IS weight (min(ρ, C)), or a (lo, hi) band: weights outside -> 0")
+    is_batch_normalize: bool = Field(False, description="rescale the IS weights to mean 1 over the kept batch")
+    rs: list[str] = Field(default_factory=list, description=(
+        f"rejection criteria, all must pass; allowed: {', '.join(REJECTION_CRITERIA)}"))
+    rs_threshold: list[float | tuple[float, float]] = Field(default_factory=list, description=(
+        "one threshold per rs criterion: upper bound for k2/k3, ratio band (lo, hi) or t>1 meaning (1/t, t) for k1"))
+
+    @field_validator("is_threshold")
+    @classmethod
+    def _check_is_threshold(cls, v):
+        if isinstance(v, tuple):
+            lo, hi = v
+            if not (0 <= lo < hi):
+                raise ValueError(f"is_threshold band (lo, hi) needs 0 <= lo < hi; got {v}")
+        elif not v > 0 or math.isnan(v):
+            raise ValueError(f"is_threshold must be > 0 or a (lo, hi) band; got {v}")
+        return v
+
+    @field_validator("rs")
+    @classmethod
+    def _check_rs(cls, v):
+        bad = [name for name in v if name not in REJECTION_CRITERIA]
+        if bad:
+            raise ValueError(f"rs: unknown criteria {bad}; allowed: {list(REJECTION_CRITERIA)}")
+        return v
+
+    @model_validator(mode="after")
+    def _check_thresholds(self):
+        if len(self.rs) != len(self.rs_threshold):
+            raise ValueError(f"rs_threshold must give one threshold per rs criterion: rs has {len(self.rs)} "
+                             f"({self.rs}), rs_threshold has {len(self.rs_threshold)} ({self.rs_threshold})")
+        for name, t in zip(self.rs, self.rs_threshold):
+            if name.endswith("k1"):
+                if isinstance(t, tuple):
+                    if not (0 <= t[0] < t[1]):
+                        raise ValueError(f"rs_threshold for {name}: ratio band (lo, hi) needs 0 <= lo < hi; got {t}")
+                elif not t > 1:
+                    raise ValueError(f"rs_threshold for {name}: a single k1 threshold t means the ratio band "
+                                     f"(1/t, t) and must be > 1; got {t}")
+            else:
+                if isinstance(t, tuple):
+                    raise ValueError(f"rs_threshold for {name}: k2/k3 thresholds are upper bounds (a number > 0), "
+                                     f"not a band; got {t}")
+                if not t > 0:
+                    raise ValueError(f"rs_threshold for {name} must be > 0; got {t}")
+        return self
+
+    def k1_band(self, threshold) -> Band:
+        """(lo, hi) ratio band of a k1 threshold."""
+        return tuple(threshold) if isinstance(threshold, tuple) else (1.0 / threshold, float(threshold))
+
+
+@dataclass
+class CorrectionOutput:
+    """weights [B, T] detached fp32 (0 on padding), keep [B, T] fp32 0/1 (already × mask), metrics."""
+
+    weights: torch.Tensor
+    keep: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+def _in_band_log(log_ratio: torch.Tensor, band: Band) -> torch.Tensor:
+    lo, hi = band
+    lo_log = math.log(lo) if lo > 0 else -math.inf
+    return (log_ratio >= lo_log) & (log_ratio <= math.log(hi))
+
+
+def _is_weights(lr: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor, cfg: CorrectionConfig):
+    """(weights, fraction of valid units whose weight was truncated or zeroed by the band)."""
+    valid = mask > 0
+    if cfg.is_level is None:
+        return mask.clone(), 0.0
+    if cfg.is_level == "token":
+        log_w = lr
+        unit_mask, unit_keep = mask, keep
+    else:
+        log_w = (torch.where(valid, lr, torch.zeros_like(lr)).sum(1, keepdim=True)).clamp(-20.0, 20.0)
+        unit_mask = (mask.sum(1, keepdim=True) > 0).float()
+        unit_keep = (keep.sum(1, keepdim=True) > 0).float()
+    raw = torch.exp(log_w)
+    if isinstance(cfg.is_threshold, tuple):
+        inside = _in_band_log(log_w, cfg.is_threshold)
+        w = torch.where(inside, raw, torch.zeros_like(raw))
+        changed = (~inside).float()
+    else:
+        w = raw.clamp(max=float(cfg.is_threshold))
+        changed = (raw > float(cfg.is_threshold)).float()
+    if cfg.is_batch_normalize:
+        mean_w = masked_mean(w, unit_keep)
+        w = torch.where(mean_w > 0, w / mean_w.clamp_min(1e-12), w)
+    frac = item(masked_mean(changed, unit_mask))
+    w = w.expand_as(lr) if cfg.is_level == "sequence" else w
+    return w * mask, frac
+
+
+def rollout_correction(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
+                       config: CorrectionConfig | dict | None = None) -> CorrectionOutput:
+    """IS weights, rejection keep-mask and mismatch metrics (formulas in the module docstring).
+
+    trainer_logprobs, sampler_logprobs, mask: [B, T]; inputs are detached. `config` may be a CorrectionConfig,
+    a dict of its fields, or None (defaults: no IS, no rejection; metrics only).
+    Metrics: mismatch/k1, mismatch/k3 (mean over valid tokens), mismatch/log_ppl_abs_diff
+    (mean_b |mean_t log q − mean_t log p|), mismatch/chi2_token (mean ρ_t² − 1), mismatch/chi2_seq
+    (mean_b ρ_b² − 1, ρ_b clamped at e^20), mismatch/max_abs_lr, correction/ess and correction/ess_frac
+    ((Σw)²/Σw² over kept units, and divided by their count), correction/masked_frac (valid tokens with keep 0),
+    correction/seq_masked_frac (rows with valid tokens and none kept), correction/rejected_frac/<criterion>,
+    correction/is_changed_frac (units truncated or zeroed), correction/weight_mean, correction/weight_max.
+    """
+    if config is None:
+        config = CorrectionConfig()
+    elif isinstance(config, dict):
+        config = CorrectionConfig(**config)
+    check_same_shape(trainer_logprobs=trainer_logprobs, sampler_logprobs=sampler_logprobs, mask=mask)
+    check_2d("trainer_logprobs", trainer_logprobs)
+    with torch.no_grad():
+        maskf = mask.float()
+        valid = maskf > 0
+        lr = clamped_log_ratio(trainer_logprobs, sampler_logprobs)
+        lr = torch.where(valid, lr, torch.zeros_like(lr))
+        keep = valid.clone()
+        metrics: dict[str, float] = {}
+        for name, threshold in zip(config.rs, config.rs_threshold):
+            stat = REJECTION_CRITERIA[name](lr, maskf)
+            if name.endswith("k1"):
+                # k1 = −log ratio: the band is on exp(−k1)
+                passed = _in_band_log(-stat, config.k1_band(threshold))
+            else:
+                passed = stat <= float(threshold)
+            passed = passed.expand_as(lr)
+            metrics[f"correction/rejected_frac/{name}"] = item(masked_mean((~passed).float(), maskf))
+            keep &= passed
+        keep_f = keep.float()
+        weights, changed = _is_weights(lr, maskf, keep_f, config)
+        metrics.update(_mismatch_metrics(trainer_logprobs, sampler_logprobs, lr, maskf))
+        metrics.update(_weight_metrics(weights, keep_f, maskf, config))
+        metrics["correction/is_changed_frac"] = changed
+    return CorrectionOutput(weights=weights.detach(), keep=keep_f, metrics=metrics)
+
+
+def _mismatch_metrics(trainer_logprobs, sampler_logprobs, lr, maskf) -> dict[str, float]:
+    valid_rows = (maskf.sum(1) > 0).float()
+    ratio = torch.exp(lr)
+    mean_logp = masked_mean(trainer_logprobs.float(), maskf, dim=1)
+    mean_logq = masked_mean(sampler_logprobs.float(), maskf, dim=1)
+    seq_lr = (lr * maskf).sum(1).clamp(-20.0, 20.0)
+    return {
+        "mismatch/k1": item(masked_mean(-lr, maskf)),
+        "mismatch/k3": item(masked_mean(torch.expm1(lr) - lr, maskf)),
+        "mismatch/log_ppl_abs_diff": item(masked_mean((mean_logq - mean_logp).abs(), valid_rows)),
+        "mismatch/chi2_token": item(masked_mean(ratio.square(), maskf) - 1.0) if maskf.sum() > 0 else 0.0,
+        "mismatch/chi2_seq": item(masked_mean(torch.exp(2.0 * seq_lr), valid_rows) - 1.0)
+        if valid_rows.sum() > 0 else 0.0,
+        "mismatch/max_abs_lr": item(masked_max(lr.abs(), maskf)),
+    }
+
+
+def _weight_metrics(weights, keep_f, maskf, cfg) -> dict[str, float]:
+    if cfg.is_level == "sequence":
+        w = weights.amax(1)
+        units = (keep_f.sum(1) > 0).float()
+    else:
+        w = weights
+        units = keep_f
+    total = (w * units).sum()
+    total_sq = (w.square() * units).sum()
+    count = units.sum()
+    ess = item(total.square() / total_sq) if item(total_sq) > 0 else 0.0
+    valid_rows = maskf.sum(1) > 0
+    rows_dropped = valid_rows & (keep_f.sum(1) == 0)
+    return {
+        "correction/ess": ess,
+        "correction/ess_frac": ess / item(count) if item(count) > 0 else 0.0,
+        "correction/masked_frac": item(masked_mean((1.0 - keep_f), maskf)),
+        "correction/seq_masked_frac": item(rows_dropped.float().sum() / valid_rows.float().sum().clamp_min(1)),
+        "correction/weight_mean": item(masked_mean(w, units)),
+        "correction/weight_max": item(masked_max(w, units)),
+    }

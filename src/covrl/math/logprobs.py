@@ -1,0 +1,149 @@
+"""Per-token quantities computed from logits: log-probs at a temperature, entropy, Σπ², logit-gradient proxy.
+
+All results are fp32 whatever the logits' dtype. Work is done in chunks of rows so that at most one
+chunk-sized fp32 copy of the logits exists at a time (V = 49152 makes a full [B, T, V] fp32 copy expensive);
+`token_logprobs` also recomputes the softmax chunk by chunk in its backward pass instead of saving it.
+"""
+
+from __future__ import annotations
+
+import torch
+
+# rows per chunk are chosen so that one fp32 chunk holds about this many elements (~128 MiB)
+CHUNK_ELEMENTS = 1 << 25
+
+
+def _chunk_rows(vocab: int) -> int:
+    return max(1, CHUNK_ELEMENTS // max(vocab, 1))
+
+
+def _check_temperature(temperature: float) -> float:
+    t = float(temperature)
+    if not (t > 0.0) or t != t or t == float("inf"):
+        raise ValueError(f"temperature must be a finite number > 0; got {temperature!r}")
+    return t
+
+
+def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    z = z.float()
+    return z if temperature == 1.0 else z / temperature
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(z/τ)[tokens] without materialising a full fp32 log-softmax; chunked forward and backward."""
+
+    @staticmethod
+    def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)
+        tok = tokens.reshape(flat.shape[0], -1)
+        out = torch.empty(tok.shape, dtype=torch.float32, device=logits.device)
+        lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
+        step = _chunk_rows(vocab)
+        for start in range(0, flat.shape[0], step):
+            z = _scaled(flat[start:start + step], temperature)
+            lse_c = torch.logsumexp(z, dim=-1)
+            lse[start:start + step] = lse_c
+            out[start:start + step] = z.gather(-1, tok[start:start + step]) - lse_c[:, None]
+        ctx.save_for_backward(logits, tokens, lse)
+        ctx.temperature = temperature
+        return out.reshape(tokens.shape)
+
+    @staticmethod
+    @torch.autograd.function.once_differentiable
+    def backward(ctx, grad_out: torch.Tensor):
+        logits, tokens, lse = ctx.saved_tensors
+        temperature = ctx.temperature
+        vocab = logits.shape[-1]
+        flat = logits.reshape(-1, vocab)
+        tok = tokens.reshape(flat.shape[0], -1)
+        g = grad_out.reshape(tok.shape).float()
+        grad = torch.empty_like(flat)
+        step = _chunk_rows(vocab)
+        # d/dz log π_y = (e_y − π)/τ, summed over the K gathered tokens of each row
+        for start in range(0, flat.shape[0], step):
+            sl = slice(start, start + step)
+            z = _scaled(flat[sl], temperature)
+            gz = torch.exp(z - lse[sl, None]).mul_(-g[sl].sum(-1, keepdim=True))
+            gz.scatter_add_(-1, tok[sl], g[sl])
+            if temperature != 1.0:
+                gz.div_(temperature)
+            grad[sl] = gz.to(grad.dtype)
+        return grad.reshape(logits.shape), None, None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probabilities of `tokens` under softmax(logits / temperature), in fp32.
+
+    `log π(y) = z_y/τ − logsumexp_v(z_v/τ)`.
+
+    logits [B, T, V] (any float dtype); tokens [B, T] -> [B, T], or [B, T, K] (e.g. a sampler's top-k ids)
+    -> [B, T, K]. Differentiable w.r.t. logits (gradient `(e_y − π)/τ`); the softmax is recomputed chunk by
+    chunk in the backward pass, so no [B, T, V] fp32 tensor is kept alive between forward and backward.
+    """
+    t = _check_temperature(temperature)
+    if logits.dim() < 2:
+        raise ValueError(f"logits must be [..., V]; got shape {list(logits.shape)}")
+    lead = tuple(logits.shape[:-1])
+    if tuple(tokens.shape) != lead and tuple(tokens.shape[:-1]) != lead:
+        raise ValueError(f"tokens must have shape {list(lead)} or {list(lead)}+[K] to match logits "
+                         f"{list(logits.shape)}; got tokens {list(tokens.shape)}")
+    if tokens.dtype not in (torch.int64, torch.int32, torch.int16, torch.uint8, torch.int8):
+        raise ValueError(f"tokens must be an integer tensor; got dtype {tokens.dtype}")
+    tokens = tokens.long()
+    if tokens.numel() and (int(tokens.min()) < 0 or int(tokens.max()) >= logits.shape[-1]):
+        raise ValueError(f"token ids must lie in [0, {logits.shape[-1]}); got range "
+                         f"[{int(tokens.min())}, {int(tokens.max())}]")
+    squeeze = tuple(tokens.shape) == lead
+    tok = tokens.unsqueeze(-1) if squeeze else tokens
+    out = _TokenLogprobs.apply(logits, tok.contiguous(), t)
+    return out.squeeze(-1) if squeeze else out
+
+
+def _per_row(logits: torch.Tensor, temperature: float, fn) -> torch.Tensor:
+    vocab = logits.shape[-1]
+    flat = logits.reshape(-1, vocab)
+    step = _chunk_rows(vocab)
+    parts = [fn(_scaled(flat[s:s + step], temperature)) for s in range(0, flat.shape[0], step)]
+    out = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=logits.device)
+    return out.reshape(logits.shape[:-1])
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy of softmax(logits/τ) per position, fp32 [B, T].
+
+    `H = logsumexp(z/τ) − Σ_v π_v z_v/τ` (equal to `−Σ π log π`, without forming log π). Differentiable.
+    """
+    t = _check_temperature(temperature)
+
+    def one(z: torch.Tensor) -> torch.Tensor:
+        lse = torch.logsumexp(z, dim=-1)
+        return lse - (torch.softmax(z, dim=-1) * z).sum(-1)
+
+    return _per_row(logits, t, one)
+
+
+def sum_pi_squared(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Σ_v π_v² of π = softmax(logits/τ) per position, fp32 [B, T].
+
+    Logsumexp form `Σπ² = exp(logsumexp(2z/τ) − 2·logsumexp(z/τ))`: no overflow for |z| up to ~1e37
+    (fp32 range / 2), result in [1/V, 1]. Differentiable (callers usually use it detached).
+    """
+    t = _check_temperature(temperature)
+
+    def one(z: torch.Tensor) -> torch.Tensor:
+        return torch.exp(torch.logsumexp(2.0 * z, dim=-1) - 2.0 * torch.logsumexp(z, dim=-1)).clamp(max=1.0)
+
+    return _per_row(logits, t, one)
+
+
+def logit_grad_proxy(logprobs: torch.Tensor, sum_pi_sq: torch.Tensor) -> torch.Tensor:
+    """Logit-gradient proxy `w = ‖e_y − π‖² = 1 − 2π_y + Σ_v π_v²` (RESEARCH §1, §7), fp32, clamped at ≥ 0.
+
+    logprobs [B, T]: log π_y of the drawn tokens (same temperature as `sum_pi_sq`); sum_pi_sq [B, T].
+    This is the squared norm of ∂ log π_y / ∂z (z = logits/τ); it is 0 for a one-hot π on y and at most 2.
+    """
+    if tuple(logprobs.shape) != tuple(sum_pi_sq.shape):
+        raise ValueError(f"shape mismatch: logprobs {list(logprobs.shape)} vs sum_pi_sq {list(sum_pi_sq.shape)}")
+    pi_y = torch.exp(logprobs.float().clamp(max=0.0))
+    return (1.0 - 2.0 * pi_y + sum_pi_sq.float()).clamp_min(0.0)

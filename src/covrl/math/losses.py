@@ -1,0 +1,268 @@
+"""Policy losses (RESEARCH §4–§6), one registry with one signature, plus loss aggregation.
+
+Every loss function in POLICY_LOSSES has the signature
+    fn(*, logprobs, sampler_logprobs, advantages, mask, is_weights, **options) -> token_loss [B, T]
+and `policy_loss(name, ...)` aggregates it and adds shared metrics. The pairing rule of RESEARCH §6:
+ppo_clip takes its ratio against `sampler_logprobs` and needs no extra IS weights; covariance / reinforce use
+detached IS weights that multiply −A·log p.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from covrl.math._util import (
+    LOG_RATIO_CLAMP,
+    check_same_shape,
+    choose,
+    clamped_log_ratio,
+    item,
+    masked_max,
+    masked_mean,
+    masked_min,
+)
+
+TAIL_FLOOR = 1e-6
+
+
+@dataclass
+class LossOutput:
+    """loss: scalar to backpropagate; token_loss [B, T] (before aggregation, 0 on padding); metrics."""
+
+    loss: torch.Tensor
+    token_loss: torch.Tensor
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+# --------------------------------------------------------------------------------------------- aggregation
+
+def _agg_token_mean(token_loss, mask, norm_constant):
+    """Σ_{b,t} ℓ m / Σ_{b,t} m (DAPO's global token mean)."""
+    return (token_loss * mask).sum() / mask.sum().clamp_min(1e-8)
+
+
+def _agg_seq_mean_token_sum(token_loss, mask, norm_constant):
+    """mean_b Σ_t ℓ_bt m_bt (mean over all B rows)."""
+    return (token_loss * mask).sum(1).mean()
+
+
+def _agg_seq_mean_token_mean(token_loss, mask, norm_constant):
+    """mean_b (Σ_t ℓ m / Σ_t m) over rows with at least one valid token (original GRPO)."""
+    row_count = mask.sum(1)
+    per_row = (token_loss * mask).sum(1) / row_count.clamp_min(1e-8)
+    has = (row_count > 0).float()
+    return (per_row * has).sum() / has.sum().clamp_min(1.0)
+
+
+def _agg_seq_mean_token_sum_norm(token_loss, mask, norm_constant):
+    """Σ_{b,t} ℓ m / (B · N) with the constant N = norm_constant or T = mask.shape[1] (Dr. GRPO)."""
+    n = float(norm_constant) if norm_constant is not None else float(mask.shape[1])
+    return (token_loss * mask).sum() / (max(mask.shape[0], 1) * n)
+
+
+AGGREGATIONS: dict[str, Callable] = {
+    "token-mean": _agg_token_mean,
+    "seq-mean-token-sum": _agg_seq_mean_token_sum,
+    "seq-mean-token-mean": _agg_seq_mean_token_mean,
+    "seq-mean-token-sum-norm": _agg_seq_mean_token_sum_norm,
+}
+
+
+def aggregate(token_loss: torch.Tensor, mask: torch.Tensor, mode: str = "token-mean", *,
+              norm_constant: float | None = None) -> torch.Tensor:
+    """Reduce a [B, T] token loss to a scalar.
+
+    token-mean:              Σ_{b,t} ℓ m / Σ_{b,t} m
+    seq-mean-token-sum:      (1/B) Σ_b Σ_t ℓ m
+    seq-mean-token-mean:     mean over rows with Σ_t m > 0 of Σ_t ℓ m / Σ_t m
+    seq-mean-token-sum-norm: Σ_{b,t} ℓ m / (B·N), N = `norm_constant` (default T = mask.shape[1], the padded
+                             response length; Dr. GRPO's constant normaliser)
+    Padding entries of token_loss are ignored even when they hold inf/nan. All-masked input gives 0.
+    """
+    fn = choose(mode, "loss aggregation mode", AGGREGATIONS)
+    check_same_shape(token_loss=token_loss, mask=mask)
+    if token_loss.dim() != 2:
+        raise ValueError(f"token_loss must be [B, T]; got shape {list(token_loss.shape)}")
+    mask = mask.to(token_loss.dtype if token_loss.is_floating_point() else torch.float32)
+    safe = torch.where(mask > 0, token_loss, torch.zeros((), dtype=token_loss.dtype, device=token_loss.device))
+    return fn(safe, mask, norm_constant)
+
+
+# ------------------------------------------------------------------------------------------------- losses
+
+def _weights(is_weights: torch.Tensor | None, like: torch.Tensor) -> torch.Tensor:
+    return torch.ones_like(like) if is_weights is None else is_weights.detach().float()
+
+
+def covariance_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None) -> torch.Tensor:
+    """Tangent (covariance) loss of RESEARCH §5: ℓ_t = −A_t · w_t · log p(y_t|c_t).
+
+    w_t = sg(is_weights) from `rollout_correction` if given, else 1: no ratio is formed, so the gradient is
+    −A·∇log p, which with a centred A (e.g. dr_grpo) is the tangent Cov_q(R, ∇ log ρ) and equals ∇J at p = q.
+    """
+    return -advantages.detach().float() * _weights(is_weights, logprobs) * logprobs.float()
+
+
+def reinforce_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None,
+                   is_cap: float | None = 2.0) -> torch.Tensor:
+    """Off-policy REINFORCE with its own truncated token IS weight: ℓ_t = −A_t · sg(min(ρ_t, C)) · log p(y_t|c_t).
+
+    ρ_t = exp(clamp(log p − log q, ±20)) against `sampler_logprobs`, C = `is_cap` (None = no truncation; the
+    untruncated gradient ρ A ∇log p is unbiased per token). If `is_weights` is given (from rollout_correction)
+    they replace sg(min(ρ_t, C)) so that nothing is corrected twice.
+    """
+    if is_weights is not None:
+        w = is_weights.detach().float()
+    else:
+        if is_cap is not None and not is_cap > 0:
+            raise ValueError(f"reinforce option is_cap must be > 0 or None; got {is_cap!r}")
+        w = torch.exp(clamped_log_ratio(logprobs.detach(), sampler_logprobs))
+        if is_cap is not None:
+            w = w.clamp(max=float(is_cap))
+    return -advantages.detach().float() * w * logprobs.float()
+
+
+def ppo_clip_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None, clip_low: float = 0.2,
+                  clip_high: float = 0.28, dual_clip: float | None = 3.0) -> torch.Tensor:
+    """PPO clipped surrogate with asymmetric clip (clip-higher) and dual clip.
+
+    ρ = exp(clamp(log p − log q_sampler, ±20)); ℓ1 = −A ρ; ℓ2 = −A clip(ρ, 1 − clip_low, 1 + clip_high);
+    ℓ = max(ℓ1, ℓ2); for A < 0 with dual clip c: ℓ = min(ℓ, −A·c). `is_weights` (normally None by the pairing
+    rule) multiply ℓ; pass them only for decoupled PPO where sampler_logprobs are the proximal policy's.
+    """
+    if not 0 <= clip_low < 1 or not clip_high >= 0:
+        raise ValueError(f"ppo_clip needs 0 <= clip_low < 1 and clip_high >= 0; got {clip_low}, {clip_high}")
+    if dual_clip is not None and not dual_clip > 1:
+        raise ValueError(f"ppo_clip dual_clip must be > 1 or None; got {dual_clip!r}")
+    adv = advantages.detach().float()
+    ratio = torch.exp(clamped_log_ratio(logprobs, sampler_logprobs.detach()))
+    loss1 = -adv * ratio
+    loss2 = -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high)
+    loss = torch.maximum(loss1, loss2)
+    if dual_clip is not None:
+        loss = torch.where(adv < 0, torch.minimum(loss, -adv * dual_clip), loss)
+    return loss * _weights(is_weights, loss)
+
+
+POLICY_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
+    "covariance": covariance_loss,
+    "reinforce": reinforce_loss,
+    "ppo_clip": ppo_clip_loss,
+}
+
+
+def _ratio_metrics(logprobs, sampler_logprobs, advantages, mask, options) -> dict[str, float]:
+    with torch.no_grad():
+        log_r = clamped_log_ratio(logprobs.detach(), sampler_logprobs.detach())
+        ratio = torch.exp(log_r)
+        adv = advantages.detach().float()
+        m = {
+            "loss/ratio_mean": item(masked_mean(ratio, mask)),
+            "loss/ratio_max": item(masked_max(ratio, mask)),
+            "loss/ratio_min": item(masked_min(ratio, mask)),
+            "loss/approx_kl": item(masked_mean(torch.expm1(log_r) - log_r, mask)),  # k3 of KL(q‖p)
+            "loss/approx_kl_k1": item(masked_mean(-log_r, mask)),
+            "loss/log_ratio_clamped_frac": item(masked_mean((log_r.abs() >= LOG_RATIO_CLAMP).float(), mask)),
+        }
+        clip_low, clip_high = options.get("clip_low", 0.2), options.get("clip_high", 0.28)
+        low = (adv < 0) & (ratio < 1.0 - clip_low)
+        high = (adv > 0) & (ratio > 1.0 + clip_high)
+        m["loss/clip_frac_low"] = item(masked_mean(low.float(), mask))
+        m["loss/clip_frac_high"] = item(masked_mean(high.float(), mask))
+        m["loss/clip_frac"] = m["loss/clip_frac_low"] + m["loss/clip_frac_high"]
+        dual = options.get("dual_clip", 3.0)
+        m["loss/dual_clip_frac"] = (item(masked_mean(((adv < 0) & (ratio > dual)).float(), mask))
+                                    if dual is not None else 0.0)
+        return m
+
+
+def policy_loss(name: str, *, logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, is_weights: torch.Tensor | None = None, agg_mode: str = "token-mean",
+                **options) -> LossOutput:
+    """Policy loss `name` (covariance | reinforce | ppo_clip), aggregated with `agg_mode` (see `aggregate`).
+
+    logprobs [B, T] trainer log-probs (carry the gradient); sampler_logprobs [B, T] log-probs of the same tokens
+    under the sampler (or the old/proximal policy); advantages [B, T] (detached inside); mask [B, T]; is_weights
+    [B, T] detached IS weights from rollout_correction or None. options: per loss (ppo_clip: clip_low=0.2,
+    clip_high=0.28, dual_clip=3.0|None; reinforce: is_cap=2.0|None) and `norm_constant` for aggregation.
+    Metrics (for every loss): loss/ratio_mean|max|min (vs sampler), loss/approx_kl (k3), loss/approx_kl_k1,
+    loss/clip_frac, loss/clip_frac_low, loss/clip_frac_high, loss/dual_clip_frac (what PPO clipping would hit,
+    with its defaults when the loss is not ppo_clip), loss/log_ratio_clamped_frac, loss/value.
+    """
+    fn = choose(name, "policy loss", POLICY_LOSSES)
+    check_same_shape(logprobs=logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages, mask=mask,
+                     is_weights=is_weights)
+    if logprobs.dim() != 2:
+        raise ValueError(f"logprobs must be [B, T]; got shape {list(logprobs.shape)}")
+    norm_constant = options.pop("norm_constant", None)
+    accepted = [p for p in inspect.signature(fn).parameters
+                if p not in ("logprobs", "sampler_logprobs", "advantages", "mask", "is_weights")]
+    unknown = [k for k in options if k not in accepted]
+    if unknown:
+        raise TypeError(f"policy loss {name!r} got unknown options {unknown}; accepted: {accepted + ['norm_constant']}")
+    maskf = mask.float()
+    token_loss = fn(logprobs=logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages, mask=maskf,
+                    is_weights=is_weights, **options)
+    token_loss = torch.where(maskf > 0, token_loss * maskf, torch.zeros_like(token_loss))
+    loss = aggregate(token_loss, maskf, agg_mode, norm_constant=norm_constant)
+    metrics = _ratio_metrics(logprobs, sampler_logprobs, advantages, maskf, options)
+    metrics["loss/value"] = item(loss.detach())
+    return LossOutput(loss=loss, token_loss=token_loss, metrics=metrics)
+
+
+# -------------------------------------------------------------------------------------------- score centring
+
+def score_centering_term(trainer_topk_logprobs: torch.Tensor, sampler_topk_logprobs: torch.Tensor,
+                         advantages: torch.Tensor, mask: torch.Tensor, truncation: float | None = None,
+                         agg_mode: str = "token-mean", *, norm_constant: float | None = None) -> LossOutput:
+    """Score-centring correction of RESEARCH §4, to ADD to the policy loss.
+
+    H = the sampler's top-k ids at each position; p_v = trainer prob of v ∈ H (full vocab, gradient flows),
+    q_v = sampler prob. Tails floored at 1e-6: ρ_tail = max(1 − Σ_H q, 1e-6) / max(1 − Σ_H p, 1e-6).
+    Without truncation: c_v = q_v − ρ_tail·p_v (pair with the covariance loss, w = 1). With truncation C:
+    α = min(1, C·ρ_tail), c_v = min(p_v, C·q_v) − α·p_v (pair with IS weights w = min(ρ_y, C)). c is detached.
+    Token loss ℓ_t = +A_t · Σ_{v∈H} c_v · log p_v, so that policy loss + this term =
+    −A·(w·log p_y − Σ_H c_v log p_v). p == q gives c = 0. Entries whose sampler log-prob is −inf (padding of a
+    short top-k) are not in H.
+    Example: q_H = [0.5, 0.3], p_H = [0.4, 0.4] -> ρ_tail = 1, c = [0.1, −0.1].
+    Metrics: score_center/rho_tail_mean, score_center/abs_c_sum_mean, score_center/tail_q_mean,
+    score_center/tail_p_mean, score_center/value.
+    """
+    check_same_shape(trainer_topk_logprobs=trainer_topk_logprobs, sampler_topk_logprobs=sampler_topk_logprobs)
+    if trainer_topk_logprobs.dim() != 3:
+        raise ValueError(f"top-k log-probs must be [B, T, K]; got shape {list(trainer_topk_logprobs.shape)}")
+    check_same_shape(advantages=advantages, mask=mask, topk_leading=trainer_topk_logprobs[..., 0])
+    if truncation is not None and not truncation > 0:
+        raise ValueError(f"score_centering_term truncation must be > 0 or None; got {truncation!r}")
+    maskf = mask.float()
+    logp = trainer_topk_logprobs.float()
+    logq = sampler_topk_logprobs.detach().float()
+    in_h = torch.isfinite(logq)
+    with torch.no_grad():
+        p = torch.where(in_h, torch.exp(logp.detach().clamp(max=0.0)), torch.zeros_like(logp))
+        q = torch.where(in_h, torch.exp(logq.clamp(max=0.0)), torch.zeros_like(logq))
+        tail_q = (1.0 - q.sum(-1)).clamp_min(TAIL_FLOOR)
+        tail_p = (1.0 - p.sum(-1)).clamp_min(TAIL_FLOOR)
+        rho_tail = tail_q / tail_p
+        if truncation is None:
+            c = q - rho_tail[..., None] * p
+        else:
+            alpha = (truncation * rho_tail).clamp(max=1.0)
+            c = torch.minimum(p, truncation * q) - alpha[..., None] * p
+        c = torch.where(in_h, c, torch.zeros_like(c))
+    safe_logp = torch.where(in_h, logp, torch.zeros_like(logp))
+    token_loss = advantages.detach().float() * (c * safe_logp).sum(-1)
+    token_loss = torch.where(maskf > 0, token_loss * maskf, torch.zeros_like(token_loss))
+    loss = aggregate(token_loss, maskf, agg_mode, norm_constant=norm_constant)
+    metrics = {
+        "score_center/rho_tail_mean": item(masked_mean(rho_tail, maskf)),
+        "score_center/abs_c_sum_mean": item(masked_mean(c.abs().sum(-1), maskf)),
+        "score_center/tail_q_mean": item(masked_mean(tail_q, maskf)),
+        "score_center/tail_p_mean": item(masked_mean(tail_p, maskf)),
+        "score_center/value": item(loss.detach()),
+    }
+    return LossOutput(loss=loss, token_loss=token_loss, metrics=metrics)
