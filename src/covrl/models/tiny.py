@@ -12,7 +12,7 @@ DEFAULT_CHARS = string.digits + string.ascii_letters + string.punctuation + " \n
 
 def char_tokenizer(chars: str = DEFAULT_CHARS):
     """A `PreTrainedTokenizerFast` that maps each character to one token (pad=0, bos=1, eos=2, unk=3)."""
-    from tokenizers import Tokenizer, models, pre_tokenizers, decoders
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
 
     vocab = {tok: i for i, tok in enumerate(SPECIAL_TOKENS)}

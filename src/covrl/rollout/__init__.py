@@ -1,1 +1,15 @@
-"""covrl.rollout."""
+"""Rollout generation: the Sampler protocol, its backends (hf; vllm lazily) and the RolloutBatch type."""
+
+from covrl.rollout.sampler import (
+    SAMPLER_BACKENDS,
+    HFSampler,
+    Sampler,
+    SamplerConfig,
+    build_sampler,
+    filtered_logprobs,
+    sample_from_logprobs,
+)
+from covrl.rollout.types import RolloutBatch
+
+__all__ = ["SAMPLER_BACKENDS", "HFSampler", "RolloutBatch", "Sampler", "SamplerConfig", "build_sampler",
+           "filtered_logprobs", "sample_from_logprobs"]

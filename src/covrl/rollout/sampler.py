@@ -1,0 +1,321 @@
+"""Samplers: turn prompts into `RolloutBatch`es. A registry of backends behind one protocol.
+
+The "hf" backend runs its own decode loop over a transformers causal LM with a KV cache:
+
+- prompts are left-padded (attention mask + position ids = running count of real tokens), the prompt is
+  prefilled once and only the last position's logits are computed (`logits_to_keep=1`);
+- each step takes the logits z (computed in the sampler's dtype), upcasts to fp32 and forms the SAMPLING
+  distribution q: z / temperature, then top-k (keep the k largest logits; ties at the k-th value kept), then
+  top-p (keep the smallest prefix of the sorted distribution whose mass reaches p), renormalised:
+      log q(v) = log_softmax(filtered z / T)(v)     (-inf outside the kept set)
+  The token is drawn from exactly this q (inverse CDF with one uniform per row from the caller's
+  `torch.Generator`), and `sampler_logprobs` is log q(y) of the drawn token. So a bf16 sampler against an
+  fp32 trainer is a real engine mismatch, and top-k/top-p are part of the sampler (q != p even at equal
+  weights) -- both show up in the trainer's importance ratios;
+- a row ends at its first EOS (the EOS is part of the response and has mask 1); later positions are padding
+  (mask 0, log-prob 0); finished rows leave the batch (the KV cache is compacted) and the loop stops when
+  every row has ended or after `max_new_tokens`.
+
+Greedy decoding takes argmax q (the same filtered distribution) and reports log q of that token.
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from typing import Literal, Protocol
+
+import torch
+from pydantic import BaseModel, ConfigDict, Field
+
+from covrl.rollout.types import RolloutBatch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The sampler's top-k log-probs use this floor instead of -inf outside the filtered support, so products
+# with zero-weight tokens stay finite (exp(-1e4) == 0 in fp32).
+TOPK_LOGPROB_FLOOR = -1.0e4
+
+
+class SamplerConfig(BaseModel):
+    """How rollouts are generated."""
+
+    model_config = ConfigDict(extra="forbid")
+    backend: str = Field("hf", description="sampler backend registry name: hf (transformers, CPU/GPU) or vllm")
+    temperature: float = Field(1.0, gt=0.0, le=100.0, description="softmax temperature of the sampler")
+    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus filter: keep the smallest set with mass >= p")
+    top_k: int = Field(0, ge=0, description="keep only the k most likely tokens (0 = off)")
+    max_new_tokens: int = Field(24, ge=1, le=65536, description="longest response in tokens")
+    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
+        None, description="sampler weights dtype; None = the trainer model's dtype")
+    return_topk: int = Field(0, ge=0, le=1024, description="also return the sampler's top-k ids and log-probs "
+                             "per token (score centring); 0 = off")
+    max_batch: int = Field(64, ge=1, description="rows generated together (prompts x n are chunked)")
+    sync_every: int = Field(1, ge=1, description="trainer steps between weight syncs into the sampler")
+    share_weights: Literal["auto", "always", "never"] = Field(
+        "auto", description="use the trainer's module directly (no copy): auto = when dtypes match and "
+        "sync_every == 1; a separate copy is required for staleness (sync_every > 1) or another dtype")
+
+
+class Sampler(Protocol):
+    version: int
+
+    def generate(self, prompts: list[list[int]], n: int, *, generator: torch.Generator,
+                 policy_version: int | None = None, greedy: bool = False) -> RolloutBatch: ...
+
+    def load_weights(self, model_or_state_dict, version: int) -> None: ...
+
+
+def _cache_kwarg() -> str:
+    """transformers >= 5.2x calls the KV cache argument `cache` (older: `past_key_values`)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _output_cache(out):
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else out.past_key_values
+
+
+def _module_dtype(model) -> torch.dtype:
+    for p in model.parameters():
+        if p.is_floating_point():
+            return p.dtype
+    return torch.float32
+
+
+def _module_device(model) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    return torch.device("cpu")
+
+
+def filtered_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
+                      top_p: float = 1.0) -> torch.Tensor:
+    """log q for logits [..., V]: fp32 log_softmax of (logits / temperature) restricted to the top-k logits
+    (ties at the k-th kept) and then to the top-p nucleus (smallest sorted prefix with mass >= top_p; the
+    most likely token is always kept); -inf outside the kept set, renormalised inside it."""
+    z = logits.float()
+    if temperature != 1.0:
+        z = z / temperature
+    vocab = z.shape[-1]
+    if 0 < top_k < vocab:
+        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
+        z = z.masked_fill(z < kth, float("-inf"))
+    if top_p < 1.0:
+        sorted_z, order = torch.sort(z, dim=-1, descending=True)
+        probs = torch.softmax(sorted_z, dim=-1)
+        mass_before = torch.cumsum(probs, dim=-1) - probs
+        drop_sorted = mass_before >= top_p  # the first token has mass_before 0 and is always kept
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        z = z.masked_fill(drop, float("-inf"))
+    return torch.log_softmax(z, dim=-1)
+
+
+def sample_from_logprobs(logq: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+    """One token per row of logq [B, V] by inverse CDF: u ~ U[0, total) from `generator` (one draw per row,
+    on the generator's device), token = first index whose cumulative mass exceeds u. Tokens with q = 0 can
+    never be chosen (their CDF step is flat)."""
+    cdf = torch.cumsum(logq.exp(), dim=-1)
+    total = cdf[:, -1:]
+    u = torch.rand(logq.shape[0], 1, generator=generator, device=generator.device).to(cdf.device) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=logq.shape[-1] - 1)
+
+
+class HFSampler:
+    """The transformers backend (see the module docstring for the decode loop and the log-prob semantics)."""
+
+    def __init__(self, cfg: SamplerConfig, model, tokenizer):
+        self.cfg = cfg
+        self.tokenizer = tokenizer
+        self.model_dtype = _module_dtype(model)
+        self.dtype = _DTYPES[cfg.dtype] if cfg.dtype else self.model_dtype
+        same = self.dtype == self.model_dtype
+        if cfg.share_weights == "always" and not same:
+            raise ValueError(f"sampler.share_weights='always' needs sampler.dtype == the model dtype "
+                             f"({self.model_dtype}), got {self.dtype}")
+        self.shares_weights = cfg.share_weights == "always" or (
+            cfg.share_weights == "auto" and same and cfg.sync_every == 1)
+        if self.shares_weights:
+            self.module = model
+        else:
+            self.module = copy.deepcopy(model).to(self.dtype)
+            self.module.eval()
+            for p in self.module.parameters():
+                p.requires_grad_(False)
+        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+        if pad is None:
+            raise ValueError("tokenizer has neither a pad nor an eos token")
+        self.pad_id = int(pad)
+        eos = set()
+        if tokenizer.eos_token_id is not None:
+            eos.add(int(tokenizer.eos_token_id))
+        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+        if gen_eos is not None:
+            eos.update(int(e) for e in ([gen_eos] if isinstance(gen_eos, int) else gen_eos))
+        if not eos:
+            raise ValueError("tokenizer has no eos token: the sampler cannot stop responses")
+        self.eos_ids = sorted(eos)
+        self.version = 0
+        self._cache_kwarg = _cache_kwarg()
+
+    # ------------------------------------------------------------------ weights
+
+    def load_weights(self, model_or_state_dict, version: int) -> None:
+        """Copy the trainer's weights (a module or a state dict) into the sampler, cast to the sampler's
+        dtype, and mark them as policy `version`. With shared weights only the version changes."""
+        if self.shares_weights and model_or_state_dict is self.module:
+            self.version = int(version)
+            return
+        state = model_or_state_dict.state_dict() if hasattr(model_or_state_dict, "state_dict") \
+            else model_or_state_dict
+        with torch.no_grad():
+            self.module.load_state_dict(state, strict=True)
+        self.version = int(version)
+
+    # ------------------------------------------------------------------ generation
+
+    def _check_prompts(self, prompts, n):
+        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
+            raise ValueError("generate: prompts must be a non-empty list of token-id lists")
+        if n < 1:
+            raise ValueError(f"generate: n={n} must be >= 1")
+        for i, p in enumerate(prompts):
+            if len(p) == 0:
+                raise ValueError(f"generate: prompt {i} is empty")
+
+    @torch.inference_mode()
+    def generate(self, prompts: list[list[int]], n: int, *, generator: torch.Generator,
+                 policy_version: int | None = None, greedy: bool = False) -> RolloutBatch:
+        """n samples per prompt -> RolloutBatch with rows [p0 x n, p1 x n, ...] and group_ids = prompt index.
+        Deterministic given `generator` (the only source of randomness). `policy_version` defaults to the
+        version of the last `load_weights`."""
+        self._check_prompts(prompts, n)
+        version = self.version if policy_version is None else int(policy_version)
+        rows = [list(map(int, p)) for p in prompts for _ in range(n)]
+        model = self.module
+        was_training = model.training
+        model.eval()  # dropout off; HF also disables the KV cache under gradient checkpointing in train mode
+        t0 = time.perf_counter()
+        try:
+            pieces = [self._generate_chunk(rows[s: s + self.cfg.max_batch], generator, greedy)
+                      for s in range(0, len(rows), self.cfg.max_batch)]
+        finally:
+            if was_training:
+                model.train()
+        elapsed = time.perf_counter() - t0
+        batch = self._assemble(rows, pieces, n, version)
+        tokens = batch.num_response_tokens
+        batch.info.update({"generate_s": elapsed, "prefill_s": sum(p["prefill_s"] for p in pieces),
+                           "tokens_per_s": tokens / max(elapsed, 1e-9), "num_response_tokens": tokens,
+                           "sampler_dtype": str(self.dtype).replace("torch.", ""),
+                           "shares_weights": self.shares_weights, "greedy": greedy})
+        return batch
+
+    def _generate_chunk(self, rows: list[list[int]], generator: torch.Generator, greedy: bool) -> dict:
+        cfg = self.cfg
+        device = _module_device(self.module)
+        B, P = len(rows), max(len(r) for r in rows)
+        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((B, P), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
+            attn[i, P - len(r):] = 1
+        ids, attn = ids.to(device), attn.to(device)
+        positions = (attn.cumsum(-1) - 1).clamp_(min=0)
+        eos = torch.tensor(self.eos_ids, device=device)
+        K = cfg.return_topk
+
+        out_tokens = torch.full((B, cfg.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
+        out_logq = torch.zeros((B, cfg.max_new_tokens), dtype=torch.float32, device=device)
+        out_len = torch.zeros(B, dtype=torch.long, device=device)
+        if K:
+            out_topk_ids = torch.zeros((B, cfg.max_new_tokens, K), dtype=torch.long, device=device)
+            out_topk_lp = torch.zeros((B, cfg.max_new_tokens, K), dtype=torch.float32, device=device)
+
+        t0 = time.perf_counter()
+        out = self.module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
+                          logits_to_keep=1)
+        prefill_s = time.perf_counter() - t0
+        cache = _output_cache(out)
+        next_pos = positions[:, -1] + 1
+        active = torch.arange(B, device=device)  # original row of each live batch entry
+        for t in range(cfg.max_new_tokens):
+            logq = filtered_logprobs(out.logits[:, -1, :], cfg.temperature, cfg.top_k, cfg.top_p)
+            tok = logq.argmax(-1) if greedy else sample_from_logprobs(logq, generator)
+            out_tokens[active, t] = tok
+            out_logq[active, t] = logq.gather(-1, tok[:, None]).squeeze(-1)
+            out_len[active] = t + 1
+            if K:
+                top = logq.topk(min(K, logq.shape[-1]), dim=-1)
+                out_topk_ids[active, t, : top.indices.shape[-1]] = top.indices
+                out_topk_lp[active, t, : top.values.shape[-1]] = top.values.clamp(min=TOPK_LOGPROB_FLOOR)
+            alive = ~torch.isin(tok, eos)
+            if t == cfg.max_new_tokens - 1 or not bool(alive.any()):
+                break
+            if not bool(alive.all()):  # drop finished rows from the batch and the KV cache
+                keep = alive.nonzero().squeeze(-1)
+                cache.batch_select_indices(keep)
+                active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
+            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
+            out = self.module(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
+                              use_cache=True, **{self._cache_kwarg: cache})
+            cache = _output_cache(out)
+            next_pos = next_pos + 1
+        piece = {"tokens": out_tokens.cpu(), "logq": out_logq.cpu(), "length": out_len.cpu(),
+                 "prefill_s": prefill_s}
+        if K:
+            piece["topk_ids"], piece["topk_lp"] = out_topk_ids.cpu(), out_topk_lp.cpu()
+        return piece
+
+    def _assemble(self, rows, pieces, n, version) -> RolloutBatch:
+        B = len(rows)
+        P = max(len(r) for r in rows)
+        T = max(int(p["length"].max()) for p in pieces)
+        prompt_ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((B, P), dtype=torch.float32)
+        for i, r in enumerate(rows):
+            prompt_ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
+            prompt_mask[i, P - len(r):] = 1.0
+        length = torch.cat([p["length"] for p in pieces])
+        response_mask = (torch.arange(T)[None, :] < length[:, None]).float()
+        response_ids = torch.cat([p["tokens"][:, :T] for p in pieces]).masked_fill(response_mask == 0,
+                                                                                   self.pad_id)
+        logq = torch.cat([p["logq"][:, :T] for p in pieces]) * response_mask
+        topk_ids = topk_lp = None
+        if self.cfg.return_topk:
+            topk_ids = torch.cat([p["topk_ids"][:, :T] for p in pieces])
+            topk_lp = torch.cat([p["topk_lp"][:, :T] for p in pieces]) * response_mask[..., None]
+        return RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+            response_mask=response_mask, sampler_logprobs=logq,
+            group_ids=torch.arange(len(rows) // n).repeat_interleave(n),
+            policy_version=torch.full((B,), version, dtype=torch.long),
+            sampler_topk_ids=topk_ids, sampler_topk_logprobs=topk_lp,
+            info={"response_lengths": length.tolist()},
+        )
+
+
+def _build_hf(cfg: SamplerConfig, model, tokenizer) -> HFSampler:
+    return HFSampler(cfg, model, tokenizer)
+
+
+def _build_vllm(cfg: SamplerConfig, model, tokenizer):
+    from covrl._lazy import require
+
+    require("vllm", "vllm")
+    raise NotImplementedError("sampler.backend='vllm' needs the covrl[vllm] extra and a CUDA GPU; the vLLM "
+                              "backend is not implemented in this build -- use sampler.backend='hf'")
+
+
+# name -> builder(cfg, model, tokenizer) -> Sampler
+SAMPLER_BACKENDS: dict[str, Callable] = {"hf": _build_hf, "vllm": _build_vllm}
+
+
+def build_sampler(cfg: SamplerConfig, model, tokenizer) -> Sampler:
+    """The sampler backend `cfg.backend` (see SAMPLER_BACKENDS) around `model` / `tokenizer`."""
+    if cfg.backend not in SAMPLER_BACKENDS:
+        raise ValueError(f"sampler.backend={cfg.backend!r}; allowed: {sorted(SAMPLER_BACKENDS)}")
+    return SAMPLER_BACKENDS[cfg.backend](cfg, model, tokenizer)

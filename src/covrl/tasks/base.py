@@ -1,0 +1,40 @@
+"""The data types every task shares: one example, the scored result of a batch."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class Example:
+    """One problem.
+
+    prompt  natural-language prompt (what a chat model sees inside its chat template)
+    answer  the reference answer; also the demonstration completion for supervised warm-up
+    meta    task-specific data; `meta["plain_prompt"]` is the prompt used when the chat template is off
+            (e.g. "7+5=" for a character-level model trained from scratch)
+    """
+
+    prompt: str
+    answer: str
+    meta: dict = field(default_factory=dict)
+
+    @property
+    def plain_prompt(self) -> str:
+        return self.meta.get("plain_prompt", self.prompt)
+
+
+@dataclass
+class RewardOutput:
+    """Scores of a batch of completions.
+
+    rewards  the optimised reward per completion (0.0 where the reward function failed)
+    correct  the task's grader verdict per completion (what accuracy means)
+    errors   completions whose reward function raised or timed out
+    metrics  reward/mean, reward/accuracy, reward/errors, reward/timeouts, reward/empty
+    """
+
+    rewards: list[float]
+    correct: list[bool]
+    errors: int
+    metrics: dict[str, float] = field(default_factory=dict)

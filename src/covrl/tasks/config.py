@@ -1,0 +1,83 @@
+"""Pydantic configuration of a task."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class ArithmeticOptions(BaseModel):
+    """Problems like "Compute 7+5." (chat) / "7+5=" (plain)."""
+
+    model_config = ConfigDict(extra="forbid")
+    ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1,
+                                              description="operators drawn uniformly between operands")
+    digits: int = Field(1, ge=1, le=6, description="digits per operand (1: 0..9, 2: 10..99, ...)")
+    num_terms: int = Field(2, ge=2, le=5, description="operands per problem (3+ = multi-step, usual precedence)")
+    allow_negative: bool = Field(True, description="keep problems whose result is negative")
+
+
+class LettersOptions(BaseModel):
+    """Random lowercase words for the count_letters / sort_letters tasks."""
+
+    model_config = ConfigDict(extra="forbid")
+    alphabet: str = Field("abcdefgh", min_length=2, description="letters the words are drawn from")
+    min_length: int = Field(3, ge=1, le=64, description="shortest word")
+    max_length: int = Field(6, ge=1, le=64, description="longest word")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.max_length < self.min_length:
+            raise ValueError(f"letters.max_length={self.max_length} < letters.min_length={self.min_length}")
+        return self
+
+
+class TaskConfig(BaseModel):
+    """Which problems to pose and how to score them."""
+
+    model_config = ConfigDict(extra="forbid")
+    name: str = Field("arithmetic", description="task registry name: arithmetic, count_letters, "
+                      "sort_letters, jsonl (path = a .jsonl file), hf_dataset (path = a local datasets folder)")
+    arithmetic: ArithmeticOptions = Field(default_factory=ArithmeticOptions, description="arithmetic options")
+    letters: LettersOptions = Field(default_factory=LettersOptions, description="count/sort letters options")
+    path: str | None = Field(None, description="data file/folder for jsonl / hf_dataset tasks")
+    eval_path: str | None = Field(None, description="separate eval file/folder (else n_eval rows split off)")
+    prompt_field: str = Field("prompt", min_length=1, description="record field holding the prompt")
+    answer_field: str = Field("answer", min_length=1, description="record field holding the reference answer")
+    split: str = Field("train", description="split to read from an hf_dataset folder")
+    reward: str = Field("auto", description="reward registry name (last_number, exact_match, format, "
+                        "last_number_format) or auto = the task's natural reward")
+    reward_fn: str | None = Field(None, description="user reward 'module:function' or 'file.py:function'; "
+                                  "overrides `reward`; signature fn(completion: str, example) -> float")
+    grader: str = Field("auto", description="reward registry name whose value >= 1 means correct "
+                        "(accuracy); auto = the task's natural grader")
+    n_train: int = Field(1000, ge=1, le=10_000_000, description="training examples (drawn from the train pool)")
+    n_eval: int = Field(50, ge=0, le=1_000_000, description="held-out eval examples, disjoint from train")
+    seed: int = Field(0, ge=0, description="seed of problem generation and of the train/eval split")
+    chat_template: bool = Field(True, description="wrap prompts in the tokenizer's chat template; false = "
+                                "plain prompts (e.g. '7+5=') for models without one")
+    system_prompt: str | None = Field(None, description="system message for the chat template (None = the "
+                                      "template's default)")
+    max_prompt_tokens: int = Field(512, ge=1, le=1_000_000, description="longest prompt in tokens")
+    overlong: Literal["truncate", "error"] = Field("truncate", description="prompts over max_prompt_tokens: "
+                                                   "truncate (keep the last tokens) or raise an error")
+    reward_timeout_s: float | None = Field(5.0, gt=0, description="per-call timeout for user reward "
+                                           "functions (thread-based; None = no timeout)")
+    reward_errors: Literal["zero", "raise"] = Field("zero", description="a failing user reward call: "
+                                                    "reward 0 and counted (zero) or stop (raise)")
+
+    @field_validator("name")
+    @classmethod
+    def _known_task(cls, v: str) -> str:
+        from covrl.tasks.registry import TASKS
+
+        if v not in TASKS:
+            raise ValueError(f"task.name={v!r}; allowed: {sorted(TASKS)}")
+        return v
+
+    @model_validator(mode="after")
+    def _needs_path(self):
+        if self.name in ("jsonl", "hf_dataset") and not self.path:
+            raise ValueError(f"task.path is required for task.name={self.name!r}")
+        return self

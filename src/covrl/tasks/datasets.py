@@ -1,0 +1,119 @@
+"""Tasks from data: JSONL files and local HF `datasets` folders, records with `prompt` and `answer` fields
+(names configurable). Nothing is downloaded: a hub id is refused, only local paths are read."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+from pathlib import Path
+
+from covrl.tasks.base import Example
+from covrl.tasks.config import TaskConfig
+from covrl.tasks.rewards import _as_number
+from covrl.tasks.task import Task
+
+
+class DatasetError(ValueError):
+    pass
+
+
+def _record_to_example(record, cfg: TaskConfig, where: str) -> Example:
+    if not isinstance(record, dict):
+        raise DatasetError(f"{where}: expected a JSON object with fields {cfg.prompt_field!r} and "
+                           f"{cfg.answer_field!r}, got {type(record).__name__}")
+    for name in (cfg.prompt_field, cfg.answer_field):
+        if name not in record or record[name] is None:
+            raise DatasetError(f"{where}: missing field {name!r} (fields present: {sorted(record)})")
+    prompt = record[cfg.prompt_field]
+    if not isinstance(prompt, str) or not prompt.strip():
+        raise DatasetError(f"{where}: field {cfg.prompt_field!r} must be a non-empty string")
+    meta = {k: v for k, v in record.items() if k not in (cfg.prompt_field, cfg.answer_field)}
+    return Example(prompt=prompt, answer=str(record[cfg.answer_field]), meta=meta)
+
+
+def read_jsonl(path: str | Path, cfg: TaskConfig) -> list[Example]:
+    """Examples from a JSONL file, one object per line (blank lines skipped). Errors name file and line."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"task data file {path.resolve()} does not exist")
+    examples = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            where = f"{path}:{lineno}"
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as err:
+                raise DatasetError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from err
+            examples.append(_record_to_example(record, cfg, where))
+    if not examples:
+        raise DatasetError(f"{path}: the dataset is empty (no JSON lines)")
+    return examples
+
+
+def read_hf_dataset(path: str | Path, cfg: TaskConfig, split: str) -> list[Example]:
+    """Examples from a local HF datasets folder: a `save_to_disk` folder, or a folder of data files that
+    `datasets.load_dataset` understands. `datasets` is imported only here, with hub access switched off."""
+    path = Path(path).expanduser()
+    if not path.exists():
+        raise FileNotFoundError(f"task.path={str(path)!r}: no such local folder (covrl never downloads "
+                                "datasets from the hub; save it locally first)")
+    os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+    from covrl._lazy import require
+
+    datasets = require("datasets", "datasets")
+    if (path / "dataset_info.json").exists() or (path / "dataset_dict.json").exists() \
+            or (path / "state.json").exists():
+        data = datasets.load_from_disk(str(path))
+    else:
+        data = datasets.load_dataset(str(path))
+    if isinstance(data, datasets.DatasetDict):
+        if split not in data:
+            raise DatasetError(f"{path}: split {split!r} not found; splits: {sorted(data)}")
+        data = data[split]
+    examples = [_record_to_example(dict(row), cfg, f"{path}[{split}] row {i}") for i, row in enumerate(data)]
+    if not examples:
+        raise DatasetError(f"{path}[{split}]: the dataset is empty")
+    return examples
+
+
+def _task_from_records(cfg: TaskConfig, rows: list[Example], eval_rows: list[Example] | None) -> Task:
+    rng = random.Random(cfg.seed)
+    if eval_rows is None:
+        rows = rows[:]
+        rng.shuffle(rows)
+        if cfg.n_eval >= len(rows):
+            raise DatasetError(f"{cfg.path}: task.n_eval={cfg.n_eval} leaves no training rows out of "
+                               f"{len(rows)}; lower n_eval or give task.eval_path")
+        eval_rows, rows = rows[: cfg.n_eval], rows[cfg.n_eval:]
+    else:
+        eval_rows = eval_rows[: cfg.n_eval]
+    held_out = {e.prompt for e in eval_rows}
+    pool = [e for e in rows if e.prompt not in held_out]
+    if not pool:
+        raise DatasetError(f"{cfg.path}: every training prompt also occurs in the eval set")
+    train: list[Example] = []
+    while len(train) < cfg.n_train:
+        epoch = pool[:]
+        rng.shuffle(epoch)
+        train.extend(epoch[: cfg.n_train - len(train)])
+    numeric = all(_as_number(e.answer) is not None for e in pool + eval_rows)
+    default = "last_number" if numeric else "exact_match"
+    return Task(cfg, train, eval_rows, default_reward=default, default_grader=default)
+
+
+def build_jsonl(cfg: TaskConfig) -> Task:
+    """Train pool from `path`; eval from `eval_path` or `n_eval` rows split off (seeded). Numeric answers
+    are graded by last_number, others by exact_match (unless reward/grader say otherwise)."""
+    rows = read_jsonl(cfg.path, cfg)
+    eval_rows = read_jsonl(cfg.eval_path, cfg) if cfg.eval_path else None
+    return _task_from_records(cfg, rows, eval_rows)
+
+
+def build_hf_dataset(cfg: TaskConfig) -> Task:
+    """Like jsonl, from a local HF datasets folder (`split`; eval from `eval_path` or split off)."""
+    rows = read_hf_dataset(cfg.path, cfg, cfg.split)
+    eval_rows = read_hf_dataset(cfg.eval_path, cfg, cfg.split) if cfg.eval_path else None
+    return _task_from_records(cfg, rows, eval_rows)

@@ -1,0 +1,22 @@
+"""name -> builder(cfg: TaskConfig) -> Task. Builders are imported lazily so the config can validate names
+without importing every task module."""
+
+from __future__ import annotations
+
+import importlib
+
+# name -> "module:function"
+TASKS: dict[str, str] = {
+    "arithmetic": "covrl.tasks.builtin:build_arithmetic",
+    "count_letters": "covrl.tasks.builtin:build_count_letters",
+    "sort_letters": "covrl.tasks.builtin:build_sort_letters",
+    "jsonl": "covrl.tasks.datasets:build_jsonl",
+    "hf_dataset": "covrl.tasks.datasets:build_hf_dataset",
+}
+
+
+def get_builder(name: str):
+    if name not in TASKS:
+        raise ValueError(f"task.name={name!r}; allowed: {sorted(TASKS)}")
+    module, func = TASKS[name].split(":")
+    return getattr(importlib.import_module(module), func)

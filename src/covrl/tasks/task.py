@@ -1,0 +1,101 @@
+"""`Task`: examples + prompt encoding + scoring, the same for every data source."""
+
+from __future__ import annotations
+
+from covrl.tasks.base import Example, RewardOutput
+from covrl.tasks.config import TaskConfig
+from covrl.tasks.rewards import RewardRunner, load_user_reward, resolve_reward
+
+
+class PromptTooLongError(ValueError):
+    pass
+
+
+class Task:
+    """A verifiable task.
+
+    name           registry name
+    train, eval    lists of Example (eval is held out: no eval prompt occurs in train)
+    encode         prompt token ids (chat template or plain format; overlong prompts per `cfg.overlong`)
+    encode_answer  demonstration token ids (answer text + EOS) for supervised warm-up
+    score          rewards (the optimised signal) and correctness (the grader) for completions
+    """
+
+    def __init__(self, cfg: TaskConfig, train: list[Example], eval: list[Example], *,
+                 default_reward: str, default_grader: str):
+        self.name = cfg.name
+        self.cfg = cfg
+        self.train = train
+        self.eval = eval
+        self.reward_name = cfg.reward_fn or (default_reward if cfg.reward == "auto" else cfg.reward)
+        self.grader_name = default_grader if cfg.grader == "auto" else cfg.grader
+        if cfg.reward_fn:
+            fn, isolate = load_user_reward(cfg.reward_fn), True
+        else:
+            fn, isolate = resolve_reward(self.reward_name), False
+        self._reward = RewardRunner(fn, name=self.reward_name, timeout_s=cfg.reward_timeout_s,
+                                    on_error=cfg.reward_errors, isolate=isolate)
+        self._grader = resolve_reward(self.grader_name)
+        self._cache: dict[tuple[int, str], list[int]] = {}
+        self.num_truncated = 0
+
+    def __repr__(self) -> str:
+        return (f"Task({self.name!r}, train={len(self.train)}, eval={len(self.eval)}, "
+                f"reward={self.reward_name!r}, grader={self.grader_name!r})")
+
+    def prompt_text(self, tokenizer, example: Example) -> str:
+        """The text the model is conditioned on: the chat template around `example.prompt` (with the
+        assistant turn opened), or `example.plain_prompt` when `chat_template` is off."""
+        if not self.cfg.chat_template:
+            return example.plain_prompt
+        if not getattr(tokenizer, "chat_template", None):
+            raise ValueError("task.chat_template=true but the tokenizer has no chat template; set "
+                             "task.chat_template=false for plain prompts (e.g. the tiny char model)")
+        messages = []
+        if self.cfg.system_prompt is not None:
+            messages.append({"role": "system", "content": self.cfg.system_prompt})
+        messages.append({"role": "user", "content": example.prompt})
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+
+    def encode(self, tokenizer, example: Example) -> list[int]:
+        """Prompt token ids. Over `max_prompt_tokens`: keep the LAST max_prompt_tokens ids (the question and
+        the opened assistant turn sit at the end) or raise PromptTooLongError (`overlong="error"`)."""
+        key = (id(tokenizer), example.prompt if self.cfg.chat_template else example.plain_prompt)
+        ids = self._cache.get(key)
+        if ids is None:
+            ids = list(tokenizer(self.prompt_text(tokenizer, example), add_special_tokens=False)["input_ids"])
+            if len(self._cache) < 1_000_000:
+                self._cache[key] = ids
+        limit = self.cfg.max_prompt_tokens
+        if len(ids) > limit:
+            if self.cfg.overlong == "error":
+                raise PromptTooLongError(
+                    f"prompt of {len(ids)} tokens exceeds task.max_prompt_tokens={limit} "
+                    f"(prompt {example.prompt[:80]!r}); raise the limit or set task.overlong='truncate'")
+            self.num_truncated += 1
+            ids = ids[-limit:]
+        return list(ids)
+
+    def encode_answer(self, tokenizer, example: Example) -> list[int]:
+        """Demonstration completion ids: the answer text followed by the EOS token."""
+        ids = list(tokenizer(example.answer, add_special_tokens=False)["input_ids"])
+        if tokenizer.eos_token_id is not None:
+            ids.append(int(tokenizer.eos_token_id))
+        return ids
+
+    def score(self, completions: list[str], examples: list[Example]) -> RewardOutput:
+        """rewards_i = reward(completion_i, example_i) (0.0 on error/timeout, counted in `errors`);
+        correct_i = grader(completion_i, example_i) >= 1. Empty completions are scored like any text."""
+        if len(completions) != len(examples):
+            raise ValueError(f"score: {len(completions)} completions but {len(examples)} examples")
+        rewards, errors, timeouts = self._reward(completions, examples)
+        correct = [self._grader(c, e) >= 1.0 for c, e in zip(completions, examples)]
+        n = max(len(completions), 1)
+        metrics = {
+            "reward/mean": sum(rewards) / n,
+            "reward/accuracy": sum(correct) / n,
+            "reward/errors": float(errors),
+            "reward/timeouts": float(timeouts),
+            "reward/empty": float(sum(1 for c in completions if not c.strip())),
+        }
+        return RewardOutput(rewards=rewards, correct=correct, errors=errors, metrics=metrics)
