@@ -17,7 +17,7 @@ def _data(B=3, T=4, V=13, seed=0, scale=3.0):
 
 
 @pytest.mark.parametrize("temperature", [1.0, 0.6, 1.7])
-@pytest.mark.parametrize("chunk", [None, 13 * 2])  # forced small chunks exercise the chunked path
+@pytest.mark.parametrize("chunk", [None, 13 * 3, 13 * 8])  # forced small blocks: pieces of rows, groups of rows
 def test_token_logprobs_matches_log_softmax_values_and_grads(temperature, chunk, monkeypatch):
     if chunk is not None:
         monkeypatch.setattr(lpmod, "CHUNK_ELEMENTS", chunk)
@@ -31,6 +31,32 @@ def test_token_logprobs_matches_log_softmax_values_and_grads(temperature, chunk,
     (g1,) = torch.autograd.grad((got * upstream).sum(), z1)
     (g2,) = torch.autograd.grad((ref * upstream).sum(), z2)
     torch.testing.assert_close(g1, g2, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("chunk", [13 * 3, 13 * 8])
+def test_chunked_paths_on_a_sliced_view_match_full_computation(chunk, monkeypatch):
+    """The trainer passes logits[:, -(T+1):-1] (a non-contiguous view); every block layout must agree."""
+    z, _ = _data(B=3, T=6)
+    y = torch.randint(0, 13, (3, 4), generator=torch.Generator().manual_seed(2))
+    view = z[:, 1:5]
+    assert not view.is_contiguous()
+    ref_lp = torch.log_softmax(view / 0.8, -1).gather(-1, y[..., None])[..., 0]
+    ref_sps = (torch.softmax(view / 0.8, -1) ** 2).sum(-1)
+    ref_ent = -(torch.softmax(view / 0.8, -1) * torch.log_softmax(view / 0.8, -1)).sum(-1)
+    monkeypatch.setattr(lpmod, "CHUNK_ELEMENTS", chunk)
+    leaf = z.clone().requires_grad_(True)
+    lp = token_logprobs(leaf[:, 1:5], y, 0.8)
+    torch.testing.assert_close(lp, ref_lp, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(sum_pi_squared(view, 0.8), ref_sps, atol=1e-6, rtol=1e-5)
+    ent = entropy_from_logits(leaf[:, 1:5], 0.8)
+    torch.testing.assert_close(ent, ref_ent, atol=1e-5, rtol=1e-5)
+    (g,) = torch.autograd.grad(lp.sum() + ent.sum(), leaf)
+    ref_leaf = z.clone().requires_grad_(True)
+    u = ref_leaf[:, 1:5] / 0.8
+    ref_total = torch.log_softmax(u, -1).gather(-1, y[..., None]).sum() - (
+        torch.softmax(u, -1) * torch.log_softmax(u, -1)).sum()
+    (g_ref,) = torch.autograd.grad(ref_total, ref_leaf)
+    torch.testing.assert_close(g, g_ref, atol=1e-5, rtol=1e-5)
 
 
 def test_backward_leaves_logits_untouched():

@@ -17,6 +17,28 @@ def _chunk_rows(vocab: int) -> int:
     return max(1, CHUNK_ELEMENTS // max(vocab, 1))
 
 
+def _as_3d(x: torch.Tensor) -> torch.Tensor:
+    """[..., V] as [N0, N1, V]; a view for 2-D/3-D input, so sliced logits (e.g. logits[:, -T-1:-1]) are not copied."""
+    if x.dim() == 2:
+        return x.unsqueeze(0)
+    if x.dim() == 3:
+        return x
+    return x.reshape(-1, x.shape[-2], x.shape[-1])
+
+
+def _blocks(rows: int, cols: int, vocab: int):
+    """(row slice, col slice) blocks of a [rows, cols, V] tensor holding about CHUNK_ELEMENTS elements each."""
+    step = _chunk_rows(vocab)
+    if step >= cols:
+        per = max(1, step // max(cols, 1))
+        for r in range(0, rows, per):
+            yield slice(r, r + per), slice(0, cols)
+    else:
+        for r in range(rows):
+            for c in range(0, cols, step):
+                yield slice(r, r + 1), slice(c, c + step)
+
+
 def _check_temperature(temperature: float) -> float:
     t = float(temperature)
     if not (t > 0.0) or t != t or t == float("inf"):
@@ -25,6 +47,7 @@ def _check_temperature(temperature: float) -> float:
 
 
 def _scaled(z: torch.Tensor, temperature: float) -> torch.Tensor:
+    """z/τ in fp32; may return z itself (fp32, τ = 1), so callers must not modify the result in place."""
     z = z.float()
     return z if temperature == 1.0 else z / temperature
 
@@ -34,23 +57,21 @@ class _TokenLogprobs(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, logits: torch.Tensor, tokens: torch.Tensor, temperature: float):
-        vocab = logits.shape[-1]
-        flat = logits.reshape(-1, vocab)
-        tok = tokens.reshape(flat.shape[0], -1)
+        z3 = _as_3d(logits)
+        n0, n1, vocab = z3.shape
+        tok = tokens.reshape(n0, n1, -1)
         out = torch.empty(tok.shape, dtype=torch.float32, device=logits.device)
-        # per row: max of z/τ and logsumexp of the shifted logits, so that π = exp(z/τ − max − lse)
-        row_max = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-        lse = torch.empty(flat.shape[0], dtype=torch.float32, device=logits.device)
-        step = _chunk_rows(vocab)
-        for start in range(0, flat.shape[0], step):
-            sl = slice(start, start + step)
-            u = _scaled(flat[sl], temperature)
+        # per position: max of z/τ and logsumexp of the shifted logits, so that π = exp(z/τ − max − lse)
+        row_max = torch.empty((n0, n1), dtype=torch.float32, device=logits.device)
+        lse = torch.empty((n0, n1), dtype=torch.float32, device=logits.device)
+        for rs, cs in _blocks(n0, n1, vocab):
+            u = _scaled(z3[rs, cs], temperature)
             m = u.amax(dim=-1, keepdim=True)
             u = u - m
             lse_c = torch.logsumexp(u, dim=-1)
-            row_max[sl] = m[:, 0]
-            lse[sl] = lse_c
-            out[sl] = u.gather(-1, tok[sl]) - lse_c[:, None]
+            row_max[rs, cs] = m[..., 0]
+            lse[rs, cs] = lse_c
+            out[rs, cs] = u.gather(-1, tok[rs, cs]) - lse_c[..., None]
         ctx.save_for_backward(logits, tokens, row_max, lse)
         ctx.temperature = temperature
         return out.reshape(tokens.shape)
@@ -60,22 +81,21 @@ class _TokenLogprobs(torch.autograd.Function):
     def backward(ctx, grad_out: torch.Tensor):
         logits, tokens, row_max, lse = ctx.saved_tensors
         temperature = ctx.temperature
-        vocab = logits.shape[-1]
-        flat = logits.reshape(-1, vocab)
-        tok = tokens.reshape(flat.shape[0], -1)
+        z3 = _as_3d(logits)
+        n0, n1, vocab = z3.shape
+        tok = tokens.reshape(n0, n1, -1)
         g = grad_out.reshape(tok.shape).float()
-        grad = torch.empty_like(flat)
-        step = _chunk_rows(vocab)
-        # d/dz log π_y = (e_y − π)/τ, summed over the K gathered tokens of each row
-        for start in range(0, flat.shape[0], step):
-            sl = slice(start, start + step)
-            u = _scaled(flat[sl], temperature)
+        grad = torch.empty(z3.shape, dtype=logits.dtype, device=logits.device)
+        # d/dz log π_y = (e_y − π)/τ, summed over the K gathered tokens of each position
+        for rs, cs in _blocks(n0, n1, vocab):
+            u = _scaled(z3[rs, cs], temperature)
             # out of place first: for fp32 logits at τ = 1, u is the saved logits tensor itself
-            gz = (u - row_max[sl, None]).sub_(lse[sl, None]).exp_().mul_(-g[sl].sum(-1, keepdim=True))
-            gz.scatter_add_(-1, tok[sl], g[sl])
+            gz = (u - row_max[rs, cs, None]).sub_(lse[rs, cs, None]).exp_()
+            gz.mul_(-g[rs, cs].sum(-1, keepdim=True))
+            gz.scatter_add_(-1, tok[rs, cs], g[rs, cs])
             if temperature != 1.0:
                 gz.div_(temperature)
-            grad[sl] = gz.to(grad.dtype)
+            grad[rs, cs] = gz
         return grad.reshape(logits.shape), None, None
 
 
@@ -108,11 +128,19 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
 
 
 def _per_row(logits: torch.Tensor, temperature: float, fn) -> torch.Tensor:
-    vocab = logits.shape[-1]
-    flat = logits.reshape(-1, vocab)
-    step = _chunk_rows(vocab)
-    parts = [fn(_scaled(flat[s:s + step], temperature)) for s in range(0, flat.shape[0], step)]
-    out = torch.cat(parts) if parts else torch.empty(0, dtype=torch.float32, device=logits.device)
+    z3 = _as_3d(logits)
+    n0, n1, vocab = z3.shape
+    parts = [fn(_scaled(z3[rs, cs], temperature)) for rs, cs in _blocks(n0, n1, vocab)]
+    if not parts:
+        return torch.empty(logits.shape[:-1], dtype=torch.float32, device=logits.device)
+    if len(parts) == 1:
+        return parts[0].reshape(logits.shape[:-1])
+    # blocks are either whole rows (concatenate along dim 0) or pieces of one row (along dim 1, then rows)
+    if parts[0].shape[1] == n1:
+        out = torch.cat(parts, 0)
+    else:
+        per_row = -(-n1 // _chunk_rows(vocab))
+        out = torch.cat([torch.cat(parts[i:i + per_row], 1) for i in range(0, len(parts), per_row)], 0)
     return out.reshape(logits.shape[:-1])
 
 
