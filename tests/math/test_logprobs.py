@@ -148,3 +148,15 @@ def test_precision_at_logits_of_1e4():
     torch.testing.assert_close(z.grad.double(), ref_z.grad, atol=1e-6, rtol=1e-6)
     s = sum_pi_squared(z.detach())
     assert s.item() == pytest.approx((torch.softmax(ref_z.detach(), -1) ** 2).sum().item(), abs=1e-6)
+
+
+def test_sum_pi_squared_and_entropy_gradients_match_direct_formulas():
+    z, _ = _data(B=2, T=3, V=7, seed=5)
+    a = z.clone().requires_grad_(True)
+    b = z.clone().requires_grad_(True)
+    (ga,) = torch.autograd.grad((sum_pi_squared(a, 0.9) + entropy_from_logits(a, 0.9)).sum(), a)
+    p = torch.softmax(b / 0.9, -1)
+    (gb,) = torch.autograd.grad(((p**2).sum(-1) - (p * torch.log_softmax(b / 0.9, -1)).sum(-1)).sum(), b)
+    torch.testing.assert_close(ga, gb, atol=1e-5, rtol=1e-5)
+    with torch.no_grad():  # the in-place path gives the same values
+        torch.testing.assert_close(sum_pi_squared(a, 0.9), sum_pi_squared(z, 0.9))
