@@ -150,5 +150,10 @@ def test_config_validation_names_field_and_allowed_values():
     with pytest.raises(pydantic.ValidationError, match="extra"):
         CorrectionConfig(threshold=2.0)
     assert CorrectionConfig(is_threshold=[0.5, 2.0]).is_threshold == (0.5, 2.0)  # YAML lists become bands
+    verl_style = CorrectionConfig(is_threshold="0.5_2.0", rs=["seq_mean_k1", "token_k3"],
+                                  rs_threshold=["0.999_1.001", "0.5"])
+    assert verl_style.is_threshold == (0.5, 2.0) and verl_style.rs_threshold == [(0.999, 1.001), 0.5]
+    with pytest.raises(pydantic.ValidationError, match="lo_hi"):
+        CorrectionConfig(is_threshold="a_b")
     with pytest.raises(ValueError, match="shape mismatch"):
         rollout_correction(torch.zeros(2, 3), torch.zeros(2, 2), torch.ones(2, 3))

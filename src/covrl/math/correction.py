@@ -16,6 +16,7 @@ k1 = −lr, k2 = ½ lr², k3 = r − 1 − lr per valid token:
 - k2/k3 thresholds are upper bounds δ (keep if statistic ≤ δ). k1 thresholds are bands on the ratio:
   (lo, hi) keeps token_k1 if lo ≤ ρ_t ≤ hi, seq_sum_k1 if lo ≤ exp(Σ lr) ≤ hi, seq_mean_k1 if
   lo ≤ exp(mean lr) ≤ hi (the geometric, length-invariant ratio); a single number t > 1 means (1/t, t).
+Bands may also be written as verl's strings "lo_hi" (e.g. "0.999_1.001").
 `keep` is already multiplied by `mask`. To "normalise by the full count" (TRM) aggregate the loss of the kept
 tokens with the original mask: aggregate(token_loss * keep, mask, mode).
 """
@@ -85,6 +86,22 @@ REJECTION_CRITERIA: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tenso
 }
 
 
+def _parse_threshold(v):
+    """verl writes bands as strings "lo_hi" (e.g. "0.999_1.001"); accept them and plain numeric strings."""
+    if isinstance(v, str):
+        parts = v.split("_")
+        try:
+            nums = [float(x) for x in parts]
+        except ValueError:
+            raise ValueError(f"threshold string must be a number or 'lo_hi'; got {v!r}") from None
+        if len(nums) == 1:
+            return nums[0]
+        if len(nums) == 2:
+            return (nums[0], nums[1])
+        raise ValueError(f"threshold string must be a number or 'lo_hi'; got {v!r}")
+    return v
+
+
 class CorrectionConfig(BaseModel):
     """Rollout-correction options (RESEARCH §6; meanings compatible with verl's rollout_is / rollout_rs)."""
 
@@ -99,6 +116,16 @@ class CorrectionConfig(BaseModel):
         f"rejection criteria, all must pass; allowed: {', '.join(REJECTION_CRITERIA)}"))
     rs_threshold: list[float | tuple[float, float]] = Field(default_factory=list, description=(
         "one threshold per rs criterion: upper bound for k2/k3, ratio band (lo, hi) or t>1 meaning (1/t, t) for k1"))
+
+    @field_validator("is_threshold", mode="before")
+    @classmethod
+    def _parse_is_threshold(cls, v):
+        return _parse_threshold(v)
+
+    @field_validator("rs_threshold", mode="before")
+    @classmethod
+    def _parse_rs_threshold(cls, v):
+        return [_parse_threshold(t) for t in v] if isinstance(v, (list, tuple)) else v
 
     @field_validator("is_threshold")
     @classmethod
