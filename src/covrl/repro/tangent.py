@@ -595,7 +595,7 @@ def _drift_section(result, cfg: Settings, seed: int) -> dict:
                 "reward_last5": tail_mean("reward/mean"), "mismatch_k3_last5": tail_mean("mismatch/k3"),
                 "kl_seq_last5": tail_mean("kl_seq"), "grad_norm_last5": tail_mean("grad_norm"),
                 "drift_norm_last5": sum(r["drift"][arm]["drift_norm"] for t in tails for r in t) / sum(map(len, tails)),
-                "rejected_frac_mean": tail_mean("correction/rejected_frac/seq_mean_k1"),
+                "rejected_frac_last5": tail_mean("correction/rejected_frac/seq_mean_k1"),
                 "eval_greedy_unbiased": [run["eval_greedy_unbiased"] for run in runs[arm]],
                 "reward_per_step": [[r.get("reward/mean") for r in run["records"]] for run in runs[arm]],
                 "skipped_steps": sum(r.get("skipped", 0.0) for run in runs[arm] for r in run["records"]),
