@@ -1,0 +1,193 @@
+"""Checkpoints: atomic writes, latest-complete lookup, RNG capture, model weights round trip.
+
+Layout: `<run>/checkpoints/ckpt-<rollouts:09d>/{model/, trainer_state.pt, COMPLETE}`. A checkpoint is written
+into a hidden temporary folder, the COMPLETE marker is written last, then the folder is renamed into place, so
+a kill at any moment leaves either no new checkpoint or a complete one (the previous one stays usable).
+`trainer_state.pt` holds only tensors, numbers, strings, lists and dicts and is read with
+`torch.load(..., weights_only=True)`."""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from covrl.train.faults import fault_point
+
+COMPLETE = "COMPLETE"
+STATE_FILE = "trainer_state.pt"
+MODEL_DIR = "model"
+PREFIX = "ckpt-"
+
+
+class CheckpointError(RuntimeError):
+    pass
+
+
+# ------------------------------------------------------------------------------------------------ RNG
+
+def capture_rng(generator: torch.Generator | None = None) -> dict[str, Any]:
+    """python, numpy, torch (and CUDA) RNG states, plus the sampler's generator, as weights_only-safe values."""
+    version, internal, gauss = random.getstate()
+    np_state = np.random.get_state(legacy=True)
+    state: dict[str, Any] = {
+        "python": [int(version), [int(x) for x in internal], gauss],
+        "numpy": [str(np_state[0]), torch.from_numpy(np.asarray(np_state[1], dtype=np.int64)), int(np_state[2]),
+                  int(np_state[3]), float(np_state[4])],
+        "torch": torch.get_rng_state(),
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    if generator is not None:
+        state["sampler_generator"] = generator.get_state()
+    return state
+
+
+def restore_rng(state: dict[str, Any], generator: torch.Generator | None = None) -> None:
+    version, internal, gauss = state["python"]
+    random.setstate((int(version), tuple(int(x) for x in internal), gauss))
+    name, keys, pos, has_gauss, cached = state["numpy"]
+    np.random.set_state((name, keys.numpy().astype(np.uint32), int(pos), int(has_gauss), float(cached)))
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if generator is not None and "sampler_generator" in state:
+        generator.set_state(state["sampler_generator"])
+
+
+# ---------------------------------------------------------------------------------------------- model
+
+def _unwrap_peft(model):
+    return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
+
+
+def save_model(model, directory: Path, tokenizer=None) -> None:
+    """`save_pretrained` (safetensors); LoRA models save their adapters. The tokenizer goes alongside so the
+    folder can be loaded with `model.source=hf model.path=<folder>`."""
+    directory.mkdir(parents=True, exist_ok=True)
+    try:  # transformers prints a shard progress bar on save; keep run logs clean
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+    except ImportError:  # pragma: no cover
+        pass
+    model.save_pretrained(str(directory), safe_serialization=True)
+    if tokenizer is not None:
+        tokenizer.save_pretrained(str(directory))
+
+
+def load_model_weights(model, directory: Path) -> None:
+    """Load weights saved by `save_model` into an already built model of the same shape (exact round trip)."""
+    from safetensors.torch import load_file
+
+    directory = Path(directory)
+    if _unwrap_peft(model):
+        from peft import set_peft_model_state_dict
+
+        path = directory / "adapter_model.safetensors"
+        if not path.is_file():
+            raise CheckpointError(f"{directory}: no adapter_model.safetensors (the run trains LoRA adapters)")
+        set_peft_model_state_dict(model, load_file(str(path)))
+        return
+    files = sorted(directory.glob("*.safetensors"))
+    if not files:
+        raise CheckpointError(f"{directory}: no *.safetensors weights found")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        state.update(load_file(str(f)))
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    tied = set(getattr(model, "_tied_weights_keys", None) or [])
+    if isinstance(getattr(model, "_tied_weights_keys", None), dict):
+        tied = set(model._tied_weights_keys)
+    real_missing = [k for k in missing if k not in tied]
+    if unexpected or real_missing:
+        raise CheckpointError(f"{directory}: weights do not match the model (missing {real_missing[:5]}, "
+                              f"unexpected {list(unexpected)[:5]})")
+
+
+# --------------------------------------------------------------------------------------- checkpoints
+
+def checkpoint_name(rollouts: int) -> str:
+    return f"{PREFIX}{int(rollouts):09d}"
+
+
+def is_complete(path: Path) -> bool:
+    return (path / COMPLETE).is_file() and (path / STATE_FILE).is_file()
+
+
+def list_checkpoints(run_dir: Path) -> list[Path]:
+    """Complete checkpoints of a run, oldest first (by data clock)."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and is_complete(p)]
+    return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
+
+
+def latest_checkpoint(run_dir: Path) -> Path | None:
+    ckpts = list_checkpoints(run_dir)
+    return ckpts[-1] if ckpts else None
+
+
+def save_checkpoint(run_dir: Path, name: str, *, model, state: dict[str, Any], tokenizer=None,
+                    info: dict[str, Any] | None = None, with_state: bool = True) -> Path:
+    """Write `<run>/checkpoints/<name>/` atomically (tmp folder, COMPLETE last, rename). Returns its path."""
+    root = Path(run_dir) / "checkpoints"
+    root.mkdir(parents=True, exist_ok=True)
+    final = root / name
+    tmp = root / f".tmp-{name}-{os.getpid()}"
+    if tmp.exists():
+        shutil.rmtree(tmp)
+    tmp.mkdir()
+    save_model(model, tmp / MODEL_DIR, tokenizer)
+    fault_point("checkpoint-write")  # reliability tests: COVRL_FAULT (no-op otherwise)
+    if with_state:
+        torch.save(state, tmp / STATE_FILE)
+    marker = {"name": name, "time": time.time(), **(info or {})}
+    with open(tmp / COMPLETE, "w") as f:
+        json.dump(marker, f)
+        f.flush()
+        os.fsync(f.fileno())
+    fault_point("checkpoint-commit")  # reliability tests: COVRL_FAULT (no-op otherwise)
+    if final.exists():  # re-saving the same data clock (e.g. end of a resumed run): swap atomically
+        old = root / f".old-{name}-{os.getpid()}"
+        os.replace(final, old)
+        os.replace(tmp, final)
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.replace(tmp, final)
+    return final
+
+
+def load_state(path: Path) -> dict[str, Any]:
+    """trainer_state.pt of a checkpoint (weights_only=True)."""
+    path = Path(path)
+    if not is_complete(path):
+        raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker or {STATE_FILE})")
+    return torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
+
+
+def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
+    """Delete complete checkpoints beyond the newest `keep_last`, and leftover temporary folders."""
+    removed = []
+    ckpts = list_checkpoints(run_dir)
+    for p in ckpts[:-keep_last] if keep_last > 0 else []:
+        shutil.rmtree(p, ignore_errors=True)
+        removed.append(p)
+    return removed
+
+
+def clean_temporary(run_dir: Path) -> None:
+    """Remove half-written checkpoint folders left by a killed run."""
+    root = Path(run_dir) / "checkpoints"
+    if root.is_dir():
+        for p in root.iterdir():
+            if p.name.startswith((".tmp-", ".old-")):
+                shutil.rmtree(p, ignore_errors=True)

@@ -1,0 +1,203 @@
+"""Configuration of a training run: the trainer's own sections and the whole run composed of the sections
+that the lower layers define (`ModelConfig`, `TaskConfig`, `SamplerConfig`, `CorrectionConfig`,
+`LengthSurgeConfig`).
+
+The composed `TrainConfig` lives here (layer `train`) so that the Trainer and the loops can take it without
+importing upward; `covrl.config` adds YAML loading, dotted overrides and error messages on top.
+Every schedule field is counted on the data clock (rollouts consumed), never in optimizer steps."""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from covrl.math import CorrectionConfig
+from covrl.models import ModelConfig
+from covrl.rollout import SamplerConfig
+from covrl.tasks import TaskConfig
+from covrl.train.lr_surge import LengthSurgeConfig
+
+AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+
+# Parameters every registered estimator/loss receives from the trainer; anything else is a user option.
+_ADVANTAGE_BUILTIN_ARGS = {"batch", "rewards", "mask", "group_ids", "logprobs", "sum_pi_sq", "is_weights"}
+_LOSS_BUILTIN_ARGS = {"logprobs", "sampler_logprobs", "advantages", "mask", "is_weights", "agg_mode"}
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+
+def _registry(kind: str) -> dict[str, Any]:
+    """The covrl.math registry of advantage estimators or policy losses."""
+    from covrl.math import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
+
+    return {"advantage": ADVANTAGE_ESTIMATORS, "loss": POLICY_LOSSES}[kind]
+
+
+def registry_options(fn: Any, builtin: set[str]) -> dict[str, inspect.Parameter]:
+    """Keyword options a registered function accepts beyond the arguments the trainer always passes."""
+    params = inspect.signature(fn).parameters
+    return {n: p for n, p in params.items()
+            if n not in builtin and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+
+
+class RunSection(_Section):
+    name: str | None = Field(None, description="run folder name under output_dir (default: the config file's stem)")
+    seed: int = Field(0, ge=0, description="one seed for python, numpy, torch and the sampler's generator")
+    output_dir: str = Field("runs", min_length=1, description="folder that holds run folders")
+    device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="device of the trainer (and HF sampler)")
+    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
+    save_initial: bool = Field(False, description="save the weights at the start of RL in checkpoints/initial/")
+
+
+class AlgorithmConfig(_Section):
+    advantage: str = Field("otb", description="advantage estimator (covrl.math registry): grpo, dr_grpo, rloo, "
+                                              "reinforce, otb, otb_tir")
+    advantage_options: dict[str, Any] = Field(default_factory=dict,
+                                              description="extra keyword options of the estimator, e.g. "
+                                                          "handle_zero_tail")
+    loss: str = Field("covariance", description="policy loss (covrl.math registry): covariance, reinforce, ppo_clip")
+    loss_options: dict[str, Any] = Field(default_factory=dict,
+                                         description="extra keyword options of the loss, e.g. clip_low, clip_high, "
+                                                     "dual_clip for ppo_clip")
+    agg_mode: AggMode = Field("token-mean", description="how token losses are averaged over the batch")
+    score_centering: bool = Field(False, description="add the score-centring term (needs sampler.return_topk > 0)")
+    score_centering_truncation: float | None = Field(None, gt=0,
+                                                     description="truncation C of the centring weights (None: off)")
+    is_weights_in_advantage: bool = Field(True, description="pass rollout-correction IS weights to estimators "
+                                                            "that accept them (OTB: w_t <- w_t * rho_t^2)")
+
+    @field_validator("advantage")
+    @classmethod
+    def _known_advantage(cls, v: str) -> str:
+        reg = _registry("advantage")
+        if v not in reg:
+            raise ValueError(f"unknown advantage estimator {v!r}; allowed: {', '.join(sorted(reg))}")
+        return v
+
+    @field_validator("loss")
+    @classmethod
+    def _known_loss(cls, v: str) -> str:
+        reg = _registry("loss")
+        if v not in reg:
+            raise ValueError(f"unknown policy loss {v!r}; allowed: {', '.join(sorted(reg))}")
+        return v
+
+    @model_validator(mode="after")
+    def _known_options(self) -> AlgorithmConfig:
+        checks = (("advantage_options", _registry("advantage")[self.advantage], _ADVANTAGE_BUILTIN_ARGS),
+                  ("loss_options", _registry("loss")[self.loss], _LOSS_BUILTIN_ARGS))
+        for field_name, fn, builtin in checks:
+            allowed = registry_options(fn, builtin)
+            for key in getattr(self, field_name):
+                if key not in allowed:
+                    raise ValueError(f"algorithm.{field_name}.{key} is not an option of "
+                                     f"{getattr(fn, '__name__', fn)!s}; allowed: {', '.join(sorted(allowed)) or '(none)'}")
+        return self
+
+
+class OptimConfig(_Section):
+    lr: float = Field(1e-5, gt=0, description="peak AdamW learning rate")
+    betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
+    eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW decoupled weight decay")
+    max_grad_norm: float | None = Field(1.0, gt=0, description="clip the global grad norm (None: no clipping)")
+    schedule: Literal["constant", "cosine"] = Field("constant", description="lr shape after warm-up")
+    warmup_rollouts: int = Field(0, ge=0, description="linear lr warm-up length, in rollouts consumed")
+    min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
+    micro_batch_size: int = Field(16, ge=1, description="rows per forward/backward (bounds memory)")
+    max_bad_steps: int = Field(3, ge=1, description="stop after this many skipped (non-finite) steps in a row")
+
+    @field_validator("betas")
+    @classmethod
+    def _betas_in_range(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(0.0 <= b < 1.0 for b in v):
+            raise ValueError(f"betas must lie in [0, 1), got {v}")
+        return v
+
+
+class KLConfig(_Section):
+    coef: float = Field(0.0, ge=0, description="weight of the KL penalty to the reference (0: off, no ref model)")
+    kind: Literal["k1", "k2", "k3", "abs"] = Field("k3", description="per-token KL estimator")
+    mode: Literal["loss", "reward"] = Field("loss", description="add the penalty to the loss, or subtract "
+                                                                "coef * sum_t KL from each sequence's reward")
+    straight_through: bool = Field(False, description="straight-through gradient of the estimator (loss mode)")
+
+
+class LoopConfig(_Section):
+    mode: Literal["sync"] = Field("sync", description="orchestration: sync (generate, then train)")
+    steps: int = Field(40, ge=1, description="optimizer steps of the run; total rollouts = steps * rollouts/step")
+    prompts_per_step: int = Field(8, ge=1, description="distinct prompts per step")
+    group_size: int = Field(8, ge=1, description="completions per prompt (a group for the advantage baseline)")
+
+    @property
+    def rollouts_per_step(self) -> int:
+        return self.prompts_per_step * self.group_size
+
+
+class EvalConfig(_Section):
+    before: bool = Field(True, description="evaluate before RL (after the SFT warm-up, if any)")
+    after: bool = Field(True, description="evaluate at the end of the run")
+    every_rollouts: int = Field(0, ge=0, description="also evaluate every this many rollouts (0: never)")
+    greedy: bool = Field(True, description="greedy decoding accuracy on the held-out prompts")
+    sampled: bool = Field(True, description="one sample per prompt at the sampler's temperature")
+    max_prompts: int | None = Field(None, ge=1, description="use at most this many held-out prompts")
+
+
+class CheckpointConfig(_Section):
+    every_rollouts: int = Field(0, ge=0, description="save a checkpoint every this many rollouts (0: only at end)")
+    at_end: bool = Field(True, description="save a checkpoint when the run ends")
+    keep_last: int = Field(2, ge=1, description="complete checkpoints kept (older ones are deleted)")
+
+
+class SFTWarmupConfig(_Section):
+    steps: int = Field(0, ge=0, description="supervised steps on the task's demonstrations before RL (0: off)")
+    lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the warm-up")
+    batch_size: int = Field(32, ge=1, description="examples per warm-up step")
+    weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay of the warm-up")
+
+
+class LoggingConfig(_Section):
+    console: bool = Field(True, description="print progress and the key metrics to the console")
+    progress_bar: bool = Field(True, description="rich live progress bar on a terminal (else one line per step)")
+    tensorboard: bool = Field(False, description="write TensorBoard scalars (extra: tensorboard)")
+    wandb: bool = Field(False, description="log to Weights & Biases (extra: wandb)")
+    wandb_project: str = Field("covrl", description="wandb project name")
+    curves: bool = Field(True, description="draw curves.png at the end of the run")
+    diagnostics: bool = Field(True, description="log tangent/remainder/kl_seq/bound (RESEARCH §5) each step")
+
+
+class TrainConfig(_Section):
+    """A whole training run. Sections: run, model, task, sampler, algorithm, correction, kl, optim, lr_surge,
+    loop, eval, checkpoint, sft_warmup, logging."""
+
+    run: RunSection = Field(default_factory=RunSection, description="name, seed, device, output folder")
+    model: ModelConfig = Field(default_factory=ModelConfig, description="which model to train")
+    task: TaskConfig = Field(default_factory=TaskConfig, description="prompts, answers and reward")
+    sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="rollout generation")
+    algorithm: AlgorithmConfig = Field(default_factory=AlgorithmConfig, description="advantage + loss")
+    correction: CorrectionConfig = Field(default_factory=CorrectionConfig,
+                                         description="rollout correction (IS weights, rejection)")
+    kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty to the reference model")
+    optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and lr schedule")
+    lr_surge: LengthSurgeConfig = Field(default_factory=LengthSurgeConfig,
+                                        description="length-surge lr decay (RESEARCH §8)")
+    loop: LoopConfig = Field(default_factory=LoopConfig, description="orchestration and run length")
+    eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
+    checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
+    sft_warmup: SFTWarmupConfig = Field(default_factory=SFTWarmupConfig, description="supervised warm-up")
+    logging: LoggingConfig = Field(default_factory=LoggingConfig, description="metric sinks")
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrainConfig:
+        if self.algorithm.score_centering and int(getattr(self.sampler, "return_topk", 0) or 0) <= 0:
+            raise ValueError("algorithm.score_centering=true needs sampler.return_topk > 0 "
+                             "(the sampler's top-k log-probs)")
+        return self
+
+    @property
+    def total_rollouts(self) -> int:
+        return self.loop.steps * self.loop.rollouts_per_step

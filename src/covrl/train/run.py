@@ -1,0 +1,347 @@
+"""Everything around the loop that sync and async loops share: the run folder, seeding, building the model /
+task / sampler / trainer, resume from the latest complete checkpoint, evaluation records, checkpoints on the
+data clock, metric sinks and the end-of-run summary.
+
+Run folder `runs/<name>/`: config.yaml (resolved), metrics.jsonl (one line per step), eval.json,
+summary.json (status, timings, evals, versions, git commit), curves.png, checkpoints/ckpt-<rollouts:09d>/
+and checkpoints/initial/ (when run.save_initial or a KL reference is needed)."""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import random
+import subprocess
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from covrl.train import checkpoint as ckpt
+from covrl.train.config import TrainConfig
+from covrl.train.data import DataStream
+from covrl.train.evaluate import evaluate
+from covrl.train.sinks import ConsoleSink, JsonlSink, TensorBoardSink, WandbSink, read_jsonl, truncate_jsonl
+from covrl.train.trainer import Trainer
+
+STATE_FORMAT = 1
+
+
+def seed_everything(seed: int) -> None:
+    """One seed for python, numpy and torch (the sampler's generator is seeded separately from it)."""
+    random.seed(seed)
+    np.random.seed(seed % (2 ** 32))
+    torch.manual_seed(seed)
+
+
+def versions() -> dict[str, str]:
+    import importlib.metadata as md
+
+    out = {"python": platform.python_version(), "platform": platform.platform()}
+    for pkg in ("covrl", "torch", "transformers", "peft", "pydantic", "numpy"):
+        try:
+            out[pkg] = md.version(pkg)
+        except md.PackageNotFoundError:
+            out[pkg] = "not installed"
+    return out
+
+
+def git_info() -> dict[str, Any]:
+    """Commit of the source tree covrl is imported from (None outside a git checkout)."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                timeout=5).stdout.strip() or None
+        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
+                                    capture_output=True, text=True, timeout=5).stdout.strip()) if commit else None
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = None, None
+    return {"commit": commit, "dirty": dirty}
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2, default=str))
+    os.replace(tmp, path)
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if name == "cuda" and not torch.cuda.is_available():
+        raise ValueError("run.device='cuda' but torch sees no CUDA device; use run.device=cpu or auto")
+    return torch.device(name)
+
+
+def choose_run_dir(cfg: TrainConfig, *, config_path: str | Path | None, resume: bool) -> Path:
+    """runs/<name>: run.name, else the config file's stem. A fresh run never writes into a used folder: it
+    takes the first free `<name>-2`, `<name>-3`, ..."""
+    name = cfg.run.name or (Path(config_path).stem if config_path else "run")
+    root = Path(cfg.run.output_dir)
+    run_dir = root / name
+    if resume:
+        return run_dir
+    k = 2
+    while run_dir.exists() and any(run_dir.iterdir()):
+        run_dir = root / f"{name}-{k}"
+        k += 1
+    return run_dir
+
+
+@dataclass
+class Run:
+    """A prepared run: components plus the run folder's bookkeeping. Loops call `log`, `maybe_evaluate`,
+    `maybe_checkpoint` and read/advance `step`; they own nothing else."""
+
+    cfg: TrainConfig
+    run_dir: Path
+    model: Any
+    tokenizer: Any
+    task: Any
+    sampler: Any
+    trainer: Trainer
+    stream: DataStream
+    generator: torch.Generator
+    ref_model: Any = None
+    sinks: list = field(default_factory=list)
+    step: int = 0
+    evals: list = field(default_factory=list)
+    resumed_from: str | None = None
+    timings: dict[str, float] = field(default_factory=dict)
+    started: float = field(default_factory=time.perf_counter)
+    sft_metrics: dict[str, float] = field(default_factory=dict)
+    status: str = "running"
+    metrics_lines: int = 0
+    last_eval_rollouts: int = 0
+    last_ckpt_rollouts: int = 0
+
+    # ------------------------------------------------------------------------------------ sinks
+    def log(self, record: dict[str, Any]) -> None:
+        for s in self.sinks:
+            s.write(record)
+        self.metrics_lines += 1
+
+    def message(self, text: str) -> None:
+        consoles = [s for s in self.sinks if isinstance(s, ConsoleSink)]
+        if consoles:
+            consoles[0].message(text)
+
+    def add_time(self, key: str, seconds: float) -> None:
+        self.timings[key] = self.timings.get(key, 0.0) + float(seconds)
+
+    # ---------------------------------------------------------------------------------- eval
+    def run_eval(self, label: str) -> dict[str, Any]:
+        """Evaluate the sampler's current weights (the loop syncs them first) on the held-out prompts."""
+        ecfg = self.cfg.eval
+        examples = self.task.eval[: ecfg.max_prompts] if ecfg.max_prompts else self.task.eval
+        t0 = time.perf_counter()
+        result = evaluate(self.sampler, self.task, self.tokenizer, examples, seed=self.cfg.run.seed + 17,
+                          greedy=ecfg.greedy, sampled=ecfg.sampled)
+        self.add_time("eval", time.perf_counter() - t0)
+        result.update({"label": label, "step": self.step, "rollouts": self.trainer.rollouts,
+                       "policy_version": self.trainer.version})
+        self.evals.append(result)
+        _write_json(self.run_dir / "eval.json", {"evals": self.evals})
+        parts = [f"eval {label} (step {self.step}, {len(examples)} held-out prompts):"]
+        for mode in ("greedy", "sampled"):
+            if mode in result:
+                parts.append(f"{mode} accuracy {result[mode]['accuracy']:.1%}")
+        self.message("  ".join(parts))
+        return result
+
+    def maybe_evaluate(self) -> None:
+        every = self.cfg.eval.every_rollouts
+        if every and self.trainer.rollouts // every > self.last_eval_rollouts // every:
+            self.run_eval(f"rollouts-{self.trainer.rollouts}")
+        self.last_eval_rollouts = self.trainer.rollouts
+
+    # ---------------------------------------------------------------------------- checkpoints
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {"format": STATE_FORMAT, "trainer": self.trainer.state_dict(), "stream": self.stream.state_dict(),
+                "rng": ckpt.capture_rng(self.generator),
+                "loop": {"step": self.step, "metrics_lines": self.metrics_lines,
+                         "sampler_version": int(getattr(self.sampler, "version", self.trainer.version)),
+                         "last_eval_rollouts": self.last_eval_rollouts}}
+
+    def save_checkpoint(self) -> Path:
+        t0 = time.perf_counter()
+        path = ckpt.save_checkpoint(self.run_dir, ckpt.checkpoint_name(self.trainer.rollouts), model=self.model,
+                                    tokenizer=self.tokenizer, state=self.checkpoint_state(),
+                                    info={"step": self.step, "rollouts": self.trainer.rollouts,
+                                          "policy_version": self.trainer.version})
+        ckpt.prune_checkpoints(self.run_dir, self.cfg.checkpoint.keep_last)
+        self.last_ckpt_rollouts = self.trainer.rollouts
+        self.add_time("checkpoint", time.perf_counter() - t0)
+        return path
+
+    def maybe_checkpoint(self) -> None:
+        every = self.cfg.checkpoint.every_rollouts
+        if every and self.trainer.rollouts // every > self.last_ckpt_rollouts // every:
+            self.save_checkpoint()
+
+    # ---------------------------------------------------------------------------------- finish
+    def summary(self) -> dict[str, Any]:
+        records = read_jsonl(self.run_dir / "metrics.jsonl")
+        tail = records[-5:]
+        keys = ("reward/mean", "accuracy", "pass@n", "response/length_mean", "entropy", "grad_norm",
+                "mismatch/k3", "tangent", "kl_seq", "lr")
+        final = {k: sum(r[k] for r in tail if isinstance(r.get(k), (int, float))) /
+                 max(1, sum(1 for r in tail if isinstance(r.get(k), (int, float))))
+                 for k in keys if any(isinstance(r.get(k), (int, float)) for r in tail)}
+        split = {k: sum(r.get(f"time/{k}", 0.0) for r in records if isinstance(r.get(f"time/{k}"), (int, float)))
+                 for k in ("generate", "score", "forward_backward", "optimizer", "sync", "step")}
+        before = next((e for e in self.evals if e["label"] == "before"), None)
+        after = next((e for e in reversed(self.evals) if e["label"] == "after"), None)
+
+        def brief(e):
+            if e is None:
+                return None
+            return {m: e[m]["accuracy"] for m in ("greedy", "sampled") if m in e} | {
+                "step": e["step"], "rollouts": e["rollouts"], "settings": e["settings"]}
+
+        return {
+            "status": self.status, "name": self.run_dir.name, "run_dir": str(self.run_dir),
+            "steps": self.step, "rollouts": self.trainer.rollouts, "policy_version": self.trainer.version,
+            "skipped_steps": sum(1 for r in records if r.get("skipped")),
+            "resumed_from": self.resumed_from,
+            "wall_time_s": time.perf_counter() - self.started,
+            "session_time_split_s": dict(self.timings),
+            "train_time_split_s": split,
+            "eval_before": brief(before), "eval_after": brief(after),
+            "final_metrics_last5": final, "sft": self.sft_metrics or None,
+            "versions": versions(), "git": git_info(), "seed": self.cfg.run.seed,
+            "config": "config.yaml",
+        }
+
+    def write_summary(self) -> dict[str, Any]:
+        s = self.summary()
+        _write_json(self.run_dir / "summary.json", s)
+        return s
+
+    def finish(self) -> dict[str, Any]:
+        """Draw curves.png (when logging.curves) and write summary.json."""
+        if self.cfg.logging.curves:
+            from covrl.train.plots import plot_curves
+
+            try:
+                plot_curves(read_jsonl(self.run_dir / "metrics.jsonl"), self.run_dir / "curves.png",
+                            evals=self.evals, title=f"{self.run_dir.name}: {self.cfg.algorithm.advantage} + "
+                                                    f"{self.cfg.algorithm.loss}")
+            except Exception as err:  # a plotting failure must not lose the run's results
+                self.message(f"curves.png not written: {err}")
+        return self.write_summary()
+
+    def close(self) -> None:
+        for s in self.sinks:
+            try:
+                s.close()
+            except Exception:  # a sink that fails to close must not hide the run's result
+                pass
+        self.sinks = []
+
+
+def _build_sinks(cfg: TrainConfig, run_dir: Path, start_step: int, console: bool) -> list:
+    sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
+    if console and cfg.logging.console:
+        sinks.append(ConsoleSink(cfg.loop.steps, start_step=start_step, live=cfg.logging.progress_bar))
+    if cfg.logging.tensorboard:
+        sinks.append(TensorBoardSink(run_dir / "tensorboard"))
+    if cfg.logging.wandb:
+        sinks.append(WandbSink(cfg.logging.wandb_project, run_dir.name, cfg.model_dump(mode="json"), run_dir))
+    return sinks
+
+
+def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resume: bool = False,
+                run_dir: Path | None = None, console: bool = True, build_sampler_fn=None) -> Run:
+    """Build (or restore) everything a loop needs. Fresh run: seed, load the model, SFT warm-up (if any),
+    initial weights, sampler, trainer, stream. `resume=True`: the same, then the latest COMPLETE checkpoint's
+    weights, optimizer/schedule state, RNG states, data position and data clock are restored."""
+    from covrl.config import dump_config
+    from covrl.models import frozen_copy, load_model
+    from covrl.rollout import build_sampler
+    from covrl.tasks import build_task
+    from covrl.train.sft import sft_warmup
+
+    t_setup = time.perf_counter()
+    run_dir = Path(run_dir) if run_dir is not None else choose_run_dir(cfg, config_path=config_path, resume=resume)
+    latest = None
+    if resume:
+        if not run_dir.is_dir():
+            raise FileNotFoundError(f"--resume: run folder {run_dir} does not exist")
+        ckpt.clean_temporary(run_dir)
+        latest = ckpt.latest_checkpoint(run_dir)
+        if latest is None:
+            raise FileNotFoundError(f"--resume: {run_dir}/checkpoints holds no complete checkpoint")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    seed_everything(cfg.run.seed)
+    device = resolve_device(cfg.run.device)
+    needs_initial = cfg.run.save_initial or cfg.kl.coef > 0
+
+    t0 = time.perf_counter()
+    model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)
+    model.to(device)
+    load_s = time.perf_counter() - t0
+    task = build_task(cfg.task)
+    stream = DataStream(task.train, seed=cfg.run.seed)
+    generator = torch.Generator().manual_seed(cfg.run.seed)
+
+    sft_metrics: dict[str, float] = {}
+    initial_dir = run_dir / "checkpoints" / "initial"
+    if latest is None:
+        sinks_msg = print if console and cfg.logging.console else None
+        sft_metrics = sft_warmup(model, tokenizer, task, cfg.sft_warmup, seed=cfg.run.seed,
+                                 micro_batch_size=cfg.optim.micro_batch_size * 4, log=sinks_msg)
+        if needs_initial:
+            ckpt.save_checkpoint(run_dir, "initial", model=model, tokenizer=tokenizer, state={}, with_state=False)
+        ref_model = frozen_copy(model) if cfg.kl.coef > 0 else None
+    else:
+        ckpt.load_model_weights(model, latest / ckpt.MODEL_DIR)
+        ref_model = None
+        if cfg.kl.coef > 0:
+            if not (initial_dir / ckpt.MODEL_DIR).is_dir():
+                raise FileNotFoundError(f"{initial_dir}: the KL reference weights are missing; cannot resume")
+            ref_model, _ = load_model(cfg.model, seed=cfg.run.seed)
+            ckpt.load_model_weights(ref_model, initial_dir / ckpt.MODEL_DIR)
+            ref_model = frozen_copy(ref_model.to(device))
+
+    trainer = Trainer(model, cfg, ref_model=ref_model)
+    sampler = (build_sampler_fn or build_sampler)(cfg.sampler, model, tokenizer)
+    run = Run(cfg=cfg, run_dir=run_dir, model=model, tokenizer=tokenizer, task=task, sampler=sampler,
+              trainer=trainer, stream=stream, generator=generator, ref_model=ref_model, sft_metrics=sft_metrics)
+    run.add_time("model_load", load_s)
+    if sft_metrics:
+        run.add_time("sft", sft_metrics.get("sft/seconds", 0.0))
+
+    if latest is not None:
+        state = ckpt.load_state(latest)
+        trainer.load_state_dict(state["trainer"])
+        stream.load_state_dict(state["stream"])
+        ckpt.restore_rng(state["rng"], generator)
+        loop = state["loop"]
+        run.step = int(loop["step"])
+        run.metrics_lines = int(loop["metrics_lines"])
+        run.last_eval_rollouts = int(loop.get("last_eval_rollouts", trainer.rollouts))
+        run.last_ckpt_rollouts = trainer.rollouts
+        run.resumed_from = str(latest)
+        truncate_jsonl(run_dir / "metrics.jsonl", run.metrics_lines)
+        prior = json.loads((run_dir / "eval.json").read_text()).get("evals", []) \
+            if (run_dir / "eval.json").is_file() else []
+        run.evals = [e for e in prior if e.get("rollouts", 0) <= trainer.rollouts and e.get("label") != "after"]
+        sampler.load_weights(model, int(loop.get("sampler_version", trainer.version)))
+    else:
+        for stale in ("metrics.jsonl", "eval.json"):
+            (run_dir / stale).unlink(missing_ok=True)
+        sampler.load_weights(model, trainer.version)
+
+    run.sinks = _build_sinks(cfg, run_dir, run.step, console)
+    run.add_time("setup", time.perf_counter() - t_setup)
+    run.write_summary()
+    return run

@@ -1,0 +1,157 @@
+"""Metric sinks: where the per-step metrics go (metrics.jsonl, console progress, TensorBoard, wandb).
+
+A sink has `write(record: dict)` (one step: floats plus a few strings such as `skip_reason`), `message(text)`
+and `close()`. Loops only talk to a list of sinks, so sync and async loops share them unchanged."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+from pathlib import Path
+from typing import Any, Protocol
+
+from covrl._lazy import require
+
+
+class MetricSink(Protocol):
+    def write(self, record: dict[str, Any]) -> None: ...
+
+    def message(self, text: str) -> None: ...
+
+    def close(self) -> None: ...
+
+
+def _clean(value: Any) -> Any:
+    if isinstance(value, float) and not math.isfinite(value):
+        return str(value)
+    return value
+
+
+class JsonlSink:
+    """Appends one JSON object per step to `metrics.jsonl` (non-finite floats written as strings)."""
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._f = open(self.path, "a")
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._f.write(json.dumps({k: _clean(v) for k, v in record.items()}) + "\n")
+        self._f.flush()
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        self._f.close()
+
+
+def read_jsonl(path: Path) -> list[dict[str, Any]]:
+    path = Path(path)
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def truncate_jsonl(path: Path, keep: int) -> None:
+    """Keep the first `keep` records (resume: steps after the checkpoint are re-run and re-logged)."""
+    records = read_jsonl(path)
+    if len(records) > keep:
+        Path(path).write_text("".join(json.dumps(r) + "\n" for r in records[:keep]))
+
+
+# key metric -> (label, format) shown on the console
+CONSOLE_KEYS = {
+    "reward/mean": ("reward", "{:.3f}"),
+    "accuracy": ("acc", "{:.2f}"),
+    "response/length_mean": ("len", "{:.1f}"),
+    "entropy": ("ent", "{:.3f}"),
+    "grad_norm": ("gnorm", "{:.2f}"),
+    "mismatch/k3": ("k3", "{:.1e}"),
+    "lr": ("lr", "{:.1e}"),
+    "time/step": ("s/step", "{:.1f}"),
+}
+
+
+def format_console(record: dict[str, Any]) -> str:
+    parts = []
+    for key, (label, fmt) in CONSOLE_KEYS.items():
+        v = record.get(key)
+        if isinstance(v, (int, float)):
+            parts.append(f"{label} {fmt.format(v)}")
+    if record.get("skipped"):
+        parts.append(f"SKIPPED: {record.get('skip_reason', '')}")
+    return "  ".join(parts)
+
+
+class ConsoleSink:
+    """A rich progress bar with the key metrics on a terminal; one plain line per step otherwise."""
+
+    def __init__(self, total_steps: int, *, start_step: int = 0, stream=None, live: bool = True):
+        self.total = total_steps
+        self.stream = stream or sys.stdout
+        self.live = live and bool(getattr(self.stream, "isatty", lambda: False)())
+        self._progress = None
+        if self.live:
+            from rich.console import Console
+            from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+                                      TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
+                                      console=Console(file=self.stream), transient=False)
+            self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
+            self._progress.start()
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = int(record.get("step", 0))
+        text = format_console(record)
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step, info=text)
+        else:
+            print(f"step {step}/{self.total}  {text}", file=self.stream, flush=True)
+
+    def message(self, text: str) -> None:
+        if self._progress is not None:
+            self._progress.console.print(text)
+        else:
+            print(text, file=self.stream, flush=True)
+
+    def close(self) -> None:
+        if self._progress is not None:
+            self._progress.stop()
+            self._progress = None
+
+
+class TensorBoardSink:
+    def __init__(self, log_dir: Path):
+        tb = require("torch.utils.tensorboard", "tensorboard")
+        self._w = tb.SummaryWriter(log_dir=str(log_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        step = int(record.get("rollouts", record.get("step", 0)))
+        for k, v in record.items():
+            if isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v):
+                self._w.add_scalar(k, v, global_step=step)
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        self._w.close()
+
+
+class WandbSink:
+    def __init__(self, project: str, name: str, config: dict[str, Any], run_dir: Path):
+        wandb = require("wandb", "wandb")
+        self._run = wandb.init(project=project, name=name, config=config, dir=str(run_dir))
+
+    def write(self, record: dict[str, Any]) -> None:
+        self._run.log({k: v for k, v in record.items() if isinstance(v, (int, float))},
+                      step=int(record.get("step", 0)))
+
+    def message(self, text: str) -> None:
+        pass
+
+    def close(self) -> None:
+        self._run.finish()

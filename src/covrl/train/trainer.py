@@ -1,0 +1,503 @@
+"""One optimisation step on a scored `RolloutBatch`; the algorithm is chosen by registry names in the config.
+
+Per step (RESEARCH §5–§8):
+  1. (KL to a reference) reference log-probs, no grad; in `reward` mode R_b ← R_b − coef·Σ_t KL_t.
+  2. Per micro-batch, ONE forward pass of the trainer gives log p(y_t|c_t) at the sampler's temperature (with
+     grad), and, detached from the same logits, the entropy and Σπ² (OTB's logit-gradient proxy).
+  3. `rollout_correction` (IS weights, rejection keep-mask, mismatch metrics), then `compute_advantages`
+     (OTB receives the trainer log-probs, Σπ² and, when enabled, the IS weights).
+  4. `policy_loss` (+ `score_centering_term` with the sampler's top-k from the batch) (+ KL in the loss).
+     Pairing rule: a loss whose ratio is taken against the sampler (ppo_clip) gets no IS weights; covariance
+     and reinforce get the detached correction weights. Token losses of kept tokens are aggregated with the
+     FULL batch's response mask, so rejected tokens count in the normaliser (TRM's "full count").
+  5. backward per micro-batch (gradient accumulation), global-norm clipping, AdamW step with
+     lr = peak · schedule(data clock) · length-surge scale.
+
+Micro-batches hold whole groups when the group size allows: then every group statistic (advantage baselines)
+is computed inside the micro-batch and the step needs one forward per row. Otherwise (a group larger than
+`optim.micro_batch_size`, or `correction.is_batch_normalize`) a no-grad pre-pass computes the batch-level
+statistics first. Metrics are always computed on the full batch.
+
+The trainer does not know whether it runs in a sync or async loop: it only reads the batch.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, replace
+from typing import Any
+
+import torch
+
+from covrl.math import (
+    aggregate,
+    compute_advantages,
+    entropy_from_logits,
+    kl_estimate,
+    logit_grad_proxy,
+    policy_loss,
+    rollout_correction,
+    score_centering_term,
+    sum_pi_squared,
+    token_logprobs,
+)
+from covrl.rollout.types import RolloutBatch
+from covrl.train.config import TrainConfig
+from covrl.train.faults import fault_point
+from covrl.train.lr_surge import LengthSurgeSchedule
+from covrl.train.schedule import lr_factor
+
+# Losses whose ratio is taken against the sampler's log-probs: by the pairing rule of RESEARCH §6 they get no
+# extra IS weights (that would correct twice). Every other loss gets the detached correction weights.
+SAMPLER_RATIO_LOSSES = frozenset({"ppo_clip"})
+
+
+class TrainingDivergedError(RuntimeError):
+    """Raised after `optim.max_bad_steps` skipped (non-finite) steps in a row."""
+
+
+@dataclass
+class _Forward:
+    logprobs: torch.Tensor            # [b, t] fp32, carries the gradient when computed with grad
+    entropy: torch.Tensor             # [b, t] detached
+    sum_pi_sq: torch.Tensor           # [b, t] detached
+    topk_logprobs: torch.Tensor | None  # [b, t, K] with grad (score centring), else None
+
+
+@dataclass
+class _Prepared:
+    """Batch-level detached quantities for one micro-batch (rows), from the pre-pass or computed in place."""
+
+    advantages: torch.Tensor
+    weights: torch.Tensor | None
+    keep: torch.Tensor
+
+
+def _trim(mb: RolloutBatch) -> RolloutBatch:
+    """Drop all-padding columns: leading prompt columns and trailing response columns (faster forward)."""
+    prompt_cols = (mb.prompt_mask > 0).any(0).nonzero()
+    p0 = int(prompt_cols[0]) if prompt_cols.numel() else mb.prompt_mask.shape[1]
+    resp_cols = (mb.response_mask > 0).any(0).nonzero()
+    t = int(resp_cols[-1]) + 1 if resp_cols.numel() else 1
+    t = max(t, 1)
+    upd: dict[str, Any] = {"prompt_ids": mb.prompt_ids[:, p0:], "prompt_mask": mb.prompt_mask[:, p0:],
+                           "response_ids": mb.response_ids[:, :t], "response_mask": mb.response_mask[:, :t],
+                           "sampler_logprobs": mb.sampler_logprobs[:, :t]}
+    if mb.rewards is not None and mb.rewards.dim() == 2:
+        upd["rewards"] = mb.rewards[:, :t]
+    if mb.sampler_topk_ids is not None:
+        upd["sampler_topk_ids"] = mb.sampler_topk_ids[:, :t]
+    if mb.sampler_topk_logprobs is not None:
+        upd["sampler_topk_logprobs"] = mb.sampler_topk_logprobs[:, :t]
+    return replace(mb, **upd)
+
+
+def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
+    if x.shape[1] == width:
+        return x
+    pad = torch.zeros((x.shape[0], width - x.shape[1], *x.shape[2:]), dtype=x.dtype, device=x.device)
+    return torch.cat([x, pad], dim=1)
+
+
+def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    den = float(mask.sum())
+    return float((x * mask).sum()) / den if den > 0 else 0.0
+
+
+def forward_response(model, batch: RolloutBatch, temperature: float, *, with_stats: bool = True,
+                     topk_ids: torch.Tensor | None = None) -> _Forward:
+    """Trainer log-probs of the response tokens of `batch` in one forward pass.
+
+    Input = [left-padded prompt | right-padded response]; position ids follow the attention mask (as in
+    generation), so the trainer sees the same positions as the sampler. Only the logits that predict response
+    tokens are computed (`logits_to_keep`). log p = log softmax(z/τ)[y] with τ the sampler's temperature.
+    """
+    t = batch.response_ids.shape[1]
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
+    attn = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).long()
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    try:
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, logits_to_keep=t + 1)
+    except TypeError:  # models without logits_to_keep
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
+    logits = out.logits[:, -(t + 1):-1]
+    logprobs = token_logprobs(logits, batch.response_ids, temperature)
+    topk = None
+    if topk_ids is not None:
+        topk = token_logprobs(logits, topk_ids.clamp(0, logits.shape[-1] - 1), temperature)
+    if with_stats:
+        with torch.no_grad():
+            detached = logits.detach()
+            entropy = entropy_from_logits(detached, temperature)
+            sps = sum_pi_squared(detached, temperature)
+    else:
+        entropy = sps = torch.zeros_like(logprobs)
+    return _Forward(logprobs=logprobs, entropy=entropy, sum_pi_sq=sps, topk_logprobs=topk)
+
+
+class Trainer:
+    """`Trainer(model, cfg, ref_model=None)`; `step(batch) -> dict[str, float]` (see the module docstring).
+
+    State on the data clock: `rollouts` (consumed, including skipped steps), `version` (optimizer updates
+    applied = policy version), `optimizer_steps`. `state_dict()` / `load_state_dict()` cover the optimizer,
+    the length-surge schedule, the noise monitor and these counters.
+    """
+
+    def __init__(self, model, cfg: TrainConfig, ref_model=None):
+        self.model = model
+        self.cfg = cfg
+        self.ref_model = ref_model
+        if cfg.kl.coef > 0 and ref_model is None:
+            raise ValueError("kl.coef > 0 needs a reference model (Trainer(model, cfg, ref_model=frozen_copy(model)))")
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("the model has no trainable parameters (requires_grad=False everywhere)")
+        o = cfg.optim
+        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                           weight_decay=o.weight_decay)
+        self.surge = LengthSurgeSchedule(cfg.lr_surge, rollouts_per_step=cfg.loop.rollouts_per_step)
+        self.noise = _noise_monitor(cfg.algorithm.agg_mode)
+        self.temperature = float(cfg.sampler.temperature)
+        self.rollouts = 0
+        self.version = 0
+        self.optimizer_steps = 0
+        self.bad_steps = 0
+        self.last_skip_reason: str | None = None
+
+    # ------------------------------------------------------------------------------------------ schedule
+    def lr_at(self, rollouts: int, batch_rollouts: int | None = None) -> float:
+        """Peak lr · schedule(data clock) · length-surge scale."""
+        o = self.cfg.optim
+        b = self.cfg.loop.rollouts_per_step if batch_rollouts is None else batch_rollouts
+        f = lr_factor(rollouts, b, warmup=o.warmup_rollouts, total=self.cfg.total_rollouts,
+                      schedule=o.schedule, min_ratio=o.min_lr_ratio)
+        return o.lr * f * self.surge.scale
+
+    # --------------------------------------------------------------------------------------------- step
+    def step(self, batch: RolloutBatch) -> dict[str, float]:
+        """One optimizer step on a scored batch (rewards set). Returns flat float metrics; `skipped` = 1 when
+        the update was not applied (reason in `last_skip_reason`)."""
+        if batch.rewards is None:
+            raise ValueError("batch.rewards is None: score the rollouts (task.score) before Trainer.step")
+        t_start = time.perf_counter()
+        cfg = self.cfg
+        device = self.params[0].device
+        batch = _to_device(batch, device)
+        rows, width = batch.response_ids.shape
+        mask = batch.response_mask.float()
+        lr = self.lr_at(self.rollouts, rows)
+        metrics = batch_metrics(batch)
+        self.rollouts += rows
+        metrics["lr"] = lr
+        self.last_skip_reason = None
+        self.model.train()
+        if rows == 0 or float(mask.sum()) == 0:
+            return self._skip(metrics, "empty generations: the batch holds no response tokens", t_start)
+
+        rewards = batch.rewards.float()
+        ref_lp = self._reference_logprobs(batch) if self.ref_model is not None and cfg.kl.coef > 0 else None
+        if ref_lp is not None:
+            ref_kl = kl_estimate(batch.sampler_logprobs.float(), ref_lp, cfg.kl.kind) * mask
+            metrics["kl_ref/seq_mean"] = float(ref_kl.sum(1).mean())
+            metrics["kl_ref/token_mean"] = masked_mean(ref_kl, mask)
+            if cfg.kl.mode == "reward":
+                penalty = cfg.kl.coef * ref_kl.sum(1)
+                rewards = rewards - (penalty if rewards.dim() == 1 else cfg.kl.coef * ref_kl)
+                metrics["kl_ref/reward_penalty"] = float(penalty.mean())
+
+        plan, aligned = self._plan(batch)
+        prepared = None
+        if not aligned or cfg.correction.is_batch_normalize:
+            prepared = self._prepass(batch, rewards)
+
+        need_topk = cfg.algorithm.score_centering
+        if need_topk and (batch.sampler_topk_ids is None or batch.sampler_topk_logprobs is None):
+            raise ValueError("algorithm.score_centering needs the sampler's top-k (batch.sampler_topk_ids/"
+                             "sampler_topk_logprobs); set sampler.return_topk > 0")
+
+        self.optimizer.zero_grad(set_to_none=True)
+        full_lp = torch.zeros((rows, width), dtype=torch.float32, device=device)
+        full_ent = torch.zeros_like(full_lp)
+        full_sps = torch.zeros_like(full_lp)
+        loss_total = 0.0
+        loss_metrics: dict[str, float] = {}
+        t_fb = time.perf_counter()
+        for index in plan:
+            idx = torch.as_tensor(index, dtype=torch.long, device=device)
+            mb = _trim(batch.select(idx))
+            fwd = forward_response(self.model, mb, self.temperature,
+                                   topk_ids=mb.sampler_topk_ids if need_topk else None)
+            t = mb.response_ids.shape[1]
+            full_lp[idx] = _pad_cols(fwd.logprobs.detach(), width)
+            full_ent[idx] = _pad_cols(fwd.entropy, width)
+            full_sps[idx] = _pad_cols(fwd.sum_pi_sq, width)
+            mb_rewards = rewards[idx] if rewards.dim() == 1 else rewards[idx][:, :t]
+            prep = (self._prepare(mb, fwd, mb_rewards) if prepared is None
+                    else _Prepared(prepared.advantages[idx][:, :t],
+                                   None if prepared.weights is None else prepared.weights[idx][:, :t],
+                                   prepared.keep[idx][:, :t]))
+            mb_ref = None if ref_lp is None else ref_lp[idx][:, :t]
+            loss, mb_metrics = self._micro_loss(mb, fwd, prep, mb_ref, idx, mask)
+            if not torch.isfinite(loss):
+                self.optimizer.zero_grad(set_to_none=True)
+                return self._skip(metrics, f"non-finite loss ({float(loss.detach())}) in a micro-batch of {len(index)} rows",
+                                  t_start)
+            loss.backward()
+            fault_point("backward")  # reliability tests: COVRL_FAULT (no-op otherwise)
+            loss_total += float(loss.detach())
+            share = float(mb.response_mask.sum()) / float(mask.sum())
+            for k, v in mb_metrics.items():
+                loss_metrics[k] = loss_metrics.get(k, 0.0) + share * v
+        t_opt = time.perf_counter()
+        max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        if not math.isfinite(grad_norm):
+            self.optimizer.zero_grad(set_to_none=True)
+            return self._skip(metrics, f"non-finite gradient norm ({grad_norm})", t_start)
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.optimizer_steps += 1
+        self.version += 1
+        self.bad_steps = 0
+        t_end = time.perf_counter()
+
+        metrics.update(loss_metrics)
+        metrics.update(self._batch_diagnostics(batch, rewards, full_lp, full_ent, full_sps, grad_norm))
+        metrics.update({
+            "loss": loss_total, "grad_norm": grad_norm, "skipped": 0.0,
+            "time/forward_backward": t_opt - t_fb, "time/optimizer": t_end - t_opt,
+            "time/trainer_step": t_end - t_start, "policy_version": float(self.version),
+            "rollouts": float(self.rollouts), "optimizer_steps": float(self.optimizer_steps),
+            "train_tokens_per_s": float(mask.sum()) / max(t_end - t_start, 1e-9),
+        })
+        signal_key = self.cfg.lr_surge.metric_key
+        if signal_key in metrics:
+            metrics.update(self.surge.update(max(0.0, metrics[signal_key]), self.rollouts))
+        return metrics
+
+    # ------------------------------------------------------------------------------------------ helpers
+    def _skip(self, metrics: dict[str, float], reason: str, t_start: float) -> dict[str, float]:
+        self.bad_steps += 1
+        self.last_skip_reason = reason
+        metrics.update({"skipped": 1.0, "bad_steps_in_row": float(self.bad_steps),
+                        "policy_version": float(self.version), "rollouts": float(self.rollouts),
+                        "optimizer_steps": float(self.optimizer_steps),
+                        "time/trainer_step": time.perf_counter() - t_start})
+        if self.bad_steps >= self.cfg.optim.max_bad_steps:
+            raise TrainingDivergedError(
+                f"{self.bad_steps} steps in a row skipped (optim.max_bad_steps={self.cfg.optim.max_bad_steps}); "
+                f"last reason: {reason}. Lower optim.lr, enable optim.max_grad_norm or check the rewards.")
+        return metrics
+
+    def _plan(self, batch: RolloutBatch) -> tuple[list[list[int]], bool]:
+        """Micro-batches of at most `optim.micro_batch_size` rows made of whole groups (aligned=True), or
+        plain chunks when a group is larger than a micro-batch (aligned=False)."""
+        size = self.cfg.optim.micro_batch_size
+        groups: dict[int, list[int]] = {}
+        for row, gid in enumerate(batch.group_ids.tolist()):
+            groups.setdefault(int(gid), []).append(row)
+        if any(len(g) > size for g in groups.values()):
+            rows = len(batch)
+            return [list(range(s, min(s + size, rows))) for s in range(0, rows, size)], False
+        plan: list[list[int]] = []
+        current: list[int] = []
+        for g in groups.values():
+            if current and len(current) + len(g) > size:
+                plan.append(current)
+                current = []
+            current = current + g
+        if current:
+            plan.append(current)
+        return plan, True
+
+    def _advantage_inputs(self, lp, sps, weights) -> dict[str, Any]:
+        inputs = dict(self.cfg.algorithm.advantage_options)
+        inputs["logprobs"] = lp
+        inputs["sum_pi_sq"] = sps
+        if weights is not None and self.cfg.algorithm.is_weights_in_advantage:
+            inputs["is_weights"] = weights
+        return inputs
+
+    def _is_weights(self, corr) -> torch.Tensor | None:
+        return corr.weights if self.cfg.correction.is_level is not None else None
+
+    def _prepare(self, mb: RolloutBatch, fwd: _Forward, rewards: torch.Tensor) -> _Prepared:
+        """Correction and advantages of a micro-batch that holds whole groups."""
+        mask = mb.response_mask.float()
+        lp = fwd.logprobs.detach()
+        corr = rollout_correction(lp, mb.sampler_logprobs.float(), mask, self.cfg.correction)
+        weights = self._is_weights(corr)
+        adv = compute_advantages(self.cfg.algorithm.advantage, rewards=rewards, mask=mask, group_ids=mb.group_ids,
+                                 **self._advantage_inputs(lp, fwd.sum_pi_sq, weights))
+        return _Prepared(adv.advantages, weights, corr.keep)
+
+    @torch.no_grad()
+    def _prepass(self, batch: RolloutBatch, rewards: torch.Tensor) -> _Prepared:
+        """No-grad forward over the whole batch for batch-level statistics (groups split over micro-batches or
+        batch-normalised IS weights)."""
+        rows, width = batch.response_ids.shape
+        device = batch.response_ids.device
+        lp = torch.zeros((rows, width), dtype=torch.float32, device=device)
+        sps = torch.zeros_like(lp)
+        size = self.cfg.optim.micro_batch_size
+        for s in range(0, rows, size):
+            idx = torch.arange(s, min(s + size, rows), device=device)
+            mb = _trim(batch.select(idx))
+            fwd = forward_response(self.model, mb, self.temperature)
+            lp[idx] = _pad_cols(fwd.logprobs.float(), width)
+            sps[idx] = _pad_cols(fwd.sum_pi_sq, width)
+        mask = batch.response_mask.float()
+        corr = rollout_correction(lp, batch.sampler_logprobs.float(), mask, self.cfg.correction)
+        weights = self._is_weights(corr)
+        adv = compute_advantages(self.cfg.algorithm.advantage, rewards=rewards, mask=mask,
+                                 group_ids=batch.group_ids, **self._advantage_inputs(lp, sps, weights))
+        return _Prepared(adv.advantages, weights, corr.keep)
+
+    @torch.no_grad()
+    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+        rows, width = batch.response_ids.shape
+        out = torch.zeros((rows, width), dtype=torch.float32, device=batch.response_ids.device)
+        size = self.cfg.optim.micro_batch_size
+        for s in range(0, rows, size):
+            idx = torch.arange(s, min(s + size, rows), device=out.device)
+            mb = _trim(batch.select(idx))
+            fwd = forward_response(self.ref_model, mb, self.temperature, with_stats=False)
+            out[idx] = _pad_cols(fwd.logprobs.float(), width)
+        return out
+
+    def _global(self, token_loss: torch.Tensor, idx: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
+        """This micro-batch's share of the full-batch aggregate: its token losses placed in a [B, T] zero tensor
+        and aggregated with the full batch's mask, so the micro-batch losses sum to the full-batch loss."""
+        padded = _pad_cols(token_loss.float(), full_mask.shape[1])
+        full = torch.zeros(full_mask.shape, dtype=torch.float32, device=padded.device).index_copy(0, idx, padded)
+        return aggregate(full, full_mask, self.cfg.algorithm.agg_mode)
+
+    def _micro_loss(self, mb: RolloutBatch, fwd: _Forward, prep: _Prepared, ref_lp: torch.Tensor | None,
+                    idx: torch.Tensor, full_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+        alg = self.cfg.algorithm
+        weights = None if alg.loss in SAMPLER_RATIO_LOSSES else prep.weights
+        out = policy_loss(alg.loss, logprobs=fwd.logprobs, sampler_logprobs=mb.sampler_logprobs.float(),
+                          advantages=prep.advantages, mask=prep.keep, is_weights=weights, agg_mode=alg.agg_mode,
+                          **alg.loss_options)
+        loss = self._global(out.token_loss, idx, full_mask)
+        metrics = dict(out.metrics)
+        metrics.pop("loss/value", None)
+        metrics["loss/policy"] = float(loss.detach())
+        if alg.score_centering:
+            sc = score_centering_term(fwd.topk_logprobs, mb.sampler_topk_logprobs.float(), prep.advantages,
+                                      prep.keep, truncation=alg.score_centering_truncation, agg_mode=alg.agg_mode)
+            sc_loss = self._global(sc.token_loss, idx, full_mask)
+            loss = loss + sc_loss
+            metrics.update({k: v for k, v in sc.metrics.items() if k != "score_center/value"})
+            metrics["loss/score_centering"] = float(sc_loss.detach())
+        kl = self.cfg.kl
+        if ref_lp is not None and kl.mode == "loss":
+            mask = mb.response_mask.float()
+            k = kl_estimate(fwd.logprobs, ref_lp, kl.kind, straight_through=kl.straight_through) * mask
+            kl_loss = kl.coef * self._global(k, idx, full_mask)
+            loss = loss + kl_loss
+            metrics["loss/kl"] = float(kl_loss.detach())
+        return loss, metrics
+
+    def _batch_diagnostics(self, batch: RolloutBatch, rewards: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor,
+                           sps: torch.Tensor, grad_norm: float) -> dict[str, float]:
+        """Full-batch metrics from the detached per-token quantities of the step (no extra forward)."""
+        mask = batch.response_mask.float()
+        q = batch.sampler_logprobs.float()
+        m: dict[str, float] = {"entropy": masked_mean(ent, mask)}
+        corr = rollout_correction(lp, q, mask, self.cfg.correction)
+        m.update(corr.metrics)
+        weights = self._is_weights(corr)
+        adv = compute_advantages(self.cfg.algorithm.advantage, rewards=rewards, mask=mask, group_ids=batch.group_ids,
+                                 grad_norm_sq=grad_norm ** 2, **self._advantage_inputs(lp, sps, weights))
+        m.update(adv.metrics)
+        if self.noise is not None:
+            m.update(self.noise.update(grad_norm_sq=grad_norm ** 2, advantages=adv.advantages,
+                                       logit_grad_proxy=logit_grad_proxy(lp, sps), mask=mask))
+        if self.cfg.logging.diagnostics:
+            m.update(_tangent_metrics(lp, q, rewards, mask, batch.group_ids))
+        return m
+
+    # --------------------------------------------------------------------------------------------- state
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": self.optimizer.state_dict(), "surge": self.surge.state_dict(),
+                "noise": None if self.noise is None else self.noise.state_dict(),
+                "rollouts": self.rollouts, "version": self.version, "optimizer_steps": self.optimizer_steps,
+                "bad_steps": self.bad_steps}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.optimizer.load_state_dict(state["optimizer"])
+        self.surge.load_state_dict(state["surge"])
+        if self.noise is not None and state.get("noise") is not None:
+            self.noise.load_state_dict(state["noise"])
+        self.rollouts = int(state["rollouts"])
+        self.version = int(state["version"])
+        self.optimizer_steps = int(state["optimizer_steps"])
+        self.bad_steps = int(state["bad_steps"])
+
+
+def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
+    """Reward, accuracy, pass@n, response length and zero-variance-group statistics of a scored batch.
+    Accuracy and pass@n need `batch.info["correct"]` (per row, from `task.score`)."""
+    mask = batch.response_mask.float()
+    lengths = mask.sum(1)
+    rewards = batch.rewards.float()
+    seq_rewards = rewards if rewards.dim() == 1 else (rewards * mask).sum(1)
+    m = {
+        "reward/mean": float(seq_rewards.mean()) if len(batch) else 0.0,
+        "reward/std": float(seq_rewards.std(unbiased=False)) if len(batch) else 0.0,
+        "response/length_mean": float(lengths.mean()) if len(batch) else 0.0,
+        "response/length_max": float(lengths.max()) if len(batch) else 0.0,
+        "response/empty_frac": float((lengths == 0).float().mean()) if len(batch) else 0.0,
+        "response_tokens": float(lengths.sum()),
+        "batch_rows": float(len(batch)),
+    }
+    _, inverse = torch.unique(batch.group_ids, return_inverse=True)
+    n_groups = int(inverse.max()) + 1 if len(batch) else 0
+    if n_groups:
+        gmax = torch.full((n_groups,), -math.inf, device=seq_rewards.device).scatter_reduce(
+            0, inverse, seq_rewards, "amax")
+        gmin = torch.full((n_groups,), math.inf, device=seq_rewards.device).scatter_reduce(
+            0, inverse, seq_rewards, "amin")
+        m["zero_variance_groups"] = float((gmax == gmin).float().mean())
+    correct = batch.info.get("correct") if isinstance(batch.info, dict) else None
+    if correct is not None and len(correct) == len(batch) and len(batch):
+        c = torch.tensor([float(bool(x)) for x in correct], device=seq_rewards.device)
+        m["accuracy"] = float(c.mean())
+        gbest = torch.zeros(n_groups, device=c.device).scatter_reduce(0, inverse, c, "amax")
+        m["pass@n"] = float(gbest.mean())
+    return m
+
+
+def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
+    """Batch tensors on `device`; tensors made under inference_mode (by a sampler) become normal tensors so
+    autograd may save them."""
+    fields = batch.tensor_fields()
+    if all(v.device == device and not v.is_inference() for v in fields.values()):
+        return batch
+    return replace(batch, **{k: (v.clone() if v.is_inference() else v).to(device) for k, v in fields.items()})
+
+
+def _noise_monitor(agg_mode: str):
+    """GradientNoiseMonitor for the §7 proxies (None when the diagnostics module or the aggregation is not
+    supported)."""
+    try:
+        from covrl.diagnostics.noise import AGGREGATIONS, GradientNoiseMonitor
+    except ImportError:  # pragma: no cover - diagnostics are part of the package
+        return None
+    return GradientNoiseMonitor(aggregation=agg_mode if agg_mode in AGGREGATIONS else "token-mean")
+
+
+_TANGENT_KEYS = ("tangent", "remainder", "gain", "kl_seq", "bound", "bound_ratio")
+
+
+def _tangent_metrics(lp, q, rewards, mask, group_ids) -> dict[str, float]:
+    try:
+        from covrl.diagnostics.tangent import tangent_remainder
+    except ImportError:  # pragma: no cover
+        return {}
+    tr = tangent_remainder(lp, q, rewards, mask, group_ids=group_ids)
+    return {k: float(tr.metrics[k]) for k in _TANGENT_KEYS if k in tr.metrics}

@@ -1,0 +1,73 @@
+"""Shared helpers for the trainer/loop tests: a tiny config and synthetic rollout batches."""
+
+from __future__ import annotations
+
+import torch
+
+from covrl.config import load_config
+from covrl.rollout.types import RolloutBatch
+
+# metrics that measure wall time (differ between identical runs)
+TIME_PREFIXES = ("time/",)
+TIME_KEYS = {"tokens_per_s", "generate_tokens_per_s", "train_tokens_per_s"}
+
+
+def tiny_cfg(tmp_path=None, **over):
+    """A TrainConfig for a 1-layer tiny Llama on one-digit addition (seconds per run)."""
+    overrides = {
+        "run.num_threads": 1, "model.source": "tiny",
+        "model.tiny.hidden_size": 32, "model.tiny.num_layers": 1, "model.tiny.num_heads": 2,
+        "model.tiny.intermediate_size": 64, "model.tiny.max_positions": 48,
+        "task.name": "arithmetic", "task.chat_template": False, "task.n_train": 64, "task.n_eval": 8,
+        "sampler.max_new_tokens": 4, "sft_warmup.steps": 3, "sft_warmup.batch_size": 16,
+        "optim.lr": 3e-3, "optim.micro_batch_size": 32, "loop.steps": 3, "loop.prompts_per_step": 4,
+        "loop.group_size": 4, "eval.max_prompts": 4, "eval.before": True, "eval.after": True,
+        "logging.console": False, "logging.curves": False, "checkpoint.at_end": True,
+    }
+    if tmp_path is not None:
+        overrides["run.output_dir"] = str(tmp_path)
+    overrides.update(over)
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def comparable(records):
+    return [{k: v for k, v in r.items() if not k.startswith(TIME_PREFIXES) and k not in TIME_KEYS}
+            for r in records]
+
+
+def synthetic_batch(model, *, groups=3, group_size=4, prompt_len=5, max_len=6, vocab=None, seed=0,
+                    topk=0, noise=0.05, temperature=1.0) -> RolloutBatch:
+    """A scored batch with random prompts/responses of varying lengths (left-padded prompts, right-padded
+    responses), sampler log-probs = the model's own log-probs + noise, binary rewards."""
+    from covrl.train.trainer import forward_response
+
+    g = torch.Generator().manual_seed(seed)
+    vocab = vocab or model.config.vocab_size
+    rows = groups * group_size
+    prompt_ids = torch.randint(4, vocab, (rows, prompt_len), generator=g)
+    prompt_mask = torch.ones(rows, prompt_len)
+    for i in range(rows):  # some left padding
+        pad = int(torch.randint(0, 2, (1,), generator=g))
+        prompt_ids[i, :pad] = 0
+        prompt_mask[i, :pad] = 0
+    lengths = torch.randint(1, max_len + 1, (rows,), generator=g)
+    lengths[0] = max_len
+    response_mask = (torch.arange(max_len)[None] < lengths[:, None]).float()
+    response_ids = torch.randint(4, vocab, (rows, max_len), generator=g) * response_mask.long()
+    batch = RolloutBatch(prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+                         response_mask=response_mask, sampler_logprobs=torch.zeros(rows, max_len),
+                         group_ids=torch.arange(groups).repeat_interleave(group_size),
+                         policy_version=torch.zeros(rows, dtype=torch.long))
+    with torch.no_grad():
+        lp = forward_response(model, batch, temperature, with_stats=False).logprobs
+        batch.sampler_logprobs = (lp + noise * torch.randn(lp.shape, generator=g)) * response_mask
+        if topk:
+            ids = torch.cat([batch.response_ids[..., None],
+                             torch.randint(4, vocab, (rows, max_len, topk - 1), generator=g)], -1)
+            batch.sampler_topk_ids = ids
+            out = forward_response(model, batch, temperature, with_stats=False, topk_ids=ids)
+            batch.sampler_topk_logprobs = out.topk_logprobs + noise * torch.randn(out.topk_logprobs.shape,
+                                                                                  generator=g)
+    batch.rewards = torch.randint(0, 2, (rows,), generator=g).float()
+    batch.rewards[:group_size] = torch.tensor([1.0, 0.0] * (group_size // 2) + [1.0] * (group_size % 2))
+    return batch
