@@ -47,7 +47,7 @@ class Settings:
 
 
 FAST = Settings(vocab_sizes=(3,), horizons=(1, 2, 4, 8), pairs_per_horizon=100, scaling_horizon=6,
-                mono_rounds=12, mono_inner_steps=10, mono_lr=3.0, tabular_seeds=1,
+                mono_rounds=8, mono_inner_steps=10, mono_lr=3.0, tabular_seeds=1,
                 drift_train_steps=0, drift_seeds=1)
 FULL = Settings(vocab_sizes=(3, 4), horizons=(1, 2, 3, 4, 5, 6, 7, 8), pairs_per_horizon=200, scaling_horizon=8,
                 mono_rounds=25, mono_inner_steps=10, mono_lr=3.0, tabular_seeds=8,
