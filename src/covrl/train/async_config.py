@@ -1,0 +1,83 @@
+"""Options of the asynchronous loops (`loop.mode=async` local, `loop.mode=ray`), section `async_loop` of the
+training config. Everything that measures time is on the data clock: the queue (and with it the staleness bound)
+is sized in rollouts; a bound given in steps is converted once, Q = steps x rollouts per step."""
+
+from __future__ import annotations
+
+import math
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = ["AsyncLoopConfig"]
+
+
+class AsyncLoopConfig(BaseModel):
+    """Asynchronous RL: sampler(s) and trainer run concurrently through a rollout queue with admission control."""
+
+    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+
+    max_staleness_rollouts: int | None = Field(
+        None, ge=0, description="queue size Q in rollouts: a rollout is only started if it will be trained at most "
+                                "ceil(Q/B) steps after the weights that generate it (None: use max_staleness_steps)")
+    max_staleness_steps: int = Field(
+        1, ge=0, description="staleness bound in optimizer steps, converted once to Q = steps x rollouts per step "
+                             "(used when max_staleness_rollouts is None); 0 = lockstep, identical to the sync loop")
+    drop_older_than_rollouts: int | None = Field(
+        None, ge=0, description="discard a finished rollout whose lag exceeds this many rollouts (None: never)")
+    chunk_prompts: int | None = Field(
+        None, ge=1, description="prompts per generate call (a chunk, whole groups); must divide "
+                                "loop.prompts_per_step; None = loop.prompts_per_step")
+    emulate: bool = Field(
+        False, description="run the async schedule in one thread (the sampler fills the queue up to the bound "
+                           "before every step): deterministic, for experiments; no speed-up")
+    sampler_threads: int | None = Field(
+        None, ge=1, description="torch CPU threads of each sampler worker (Ray actors); None = the torch default "
+                                "(threads inside one process share run.num_threads)")
+    floor_probe_every: int = Field(
+        0, ge=0, description="every this many chunks, measure the engine floor: kl_seq between the sampler and an "
+                             "fp32 forward at the same weights on the chunk just generated (0: never)")
+    ray_address: str | None = Field(
+        None, description="Ray cluster to join (ray.init(address=...)), e.g. 'auto' or 'ray://head:10001'; "
+                          "None = start a local Ray instance")
+    num_samplers: int = Field(1, ge=1, description="Ray sampler actors generating in parallel")
+    sampler_cpus: float = Field(1.0, gt=0, description="CPUs reserved per Ray sampler actor")
+    sampler_gpus: float = Field(0.0, ge=0, description="GPUs reserved per Ray sampler actor")
+    trainer_actor: bool = Field(
+        True, description="Ray: run the trainer side in its own actor (placed by Ray; run folder written on its "
+                          "node); false = in the driver process")
+    trainer_cpus: float = Field(1.0, gt=0, description="CPUs reserved for the Ray trainer actor")
+    trainer_gpus: float = Field(0.0, ge=0, description="GPUs reserved for the Ray trainer actor")
+    ray_temp_dir: str | None = Field(None, description="Ray's session folder (local instance only; keep it short)")
+
+    def queue_rollouts(self, rollouts_per_step: int) -> int:
+        """Q in rollouts: max_staleness_rollouts, else max_staleness_steps x rollouts per step."""
+        if self.max_staleness_rollouts is not None:
+            return int(self.max_staleness_rollouts)
+        return int(self.max_staleness_steps) * int(rollouts_per_step)
+
+    def drop_rollouts(self) -> int | None:
+        return self.drop_older_than_rollouts
+
+    def chunk_size(self, prompts_per_step: int) -> int:
+        """Prompts per generate call; must divide prompts_per_step so that steps consume whole chunks."""
+        k = self.chunk_prompts or prompts_per_step
+        if prompts_per_step % k:
+            raise ValueError(f"async_loop.chunk_prompts={k} must divide loop.prompts_per_step={prompts_per_step}")
+        return k
+
+    def check_against(self, *, prompts_per_step: int, group_size: int, sync_every: int) -> None:
+        """Consistency with the loop: chunks tile a step, and weights synced every k steps leave the sampler up
+        to k − 1 steps behind, so the queue must hold at least (k − 1)·B rollouts (else a deadlock)."""
+        self.chunk_size(prompts_per_step)
+        batch = prompts_per_step * group_size
+        q = self.queue_rollouts(batch)
+        need = (sync_every - 1) * batch
+        if q < need:
+            raise ValueError(f"async_loop: the queue of {q} rollouts is smaller than (sampler.sync_every - 1) x "
+                             f"rollouts per step = {need}: the sampler would wait for weights that never come; "
+                             f"raise async_loop.max_staleness_steps to >= {math.ceil(need / batch)} or set "
+                             "sampler.sync_every=1")
+
+
+LoopMode = Literal["sync", "async", "ray"]
