@@ -1,0 +1,191 @@
+"""`covrl bench rollout`: sampler tokens/s by batch size, against plain `model.generate` and against the
+machine's limits.
+
+Limits, per decode step of a batch of B rows (one new token per row):
+  bytes read    = weights read per step + B * KV-cache bytes per row (mean over the decode)
+  bandwidth bound tokens/s = B * bandwidth / bytes read           (bandwidth from a large torch copy)
+  compute bound tokens/s   = flops_per_s / (2 * matmul parameters)  (flops from a large fp32 matmul)
+The roofline is the smaller of the two; `fraction` = measured / roofline. Weights read per step are all
+parameters except an untied input embedding (a decode step gathers only B of its rows).
+
+covrl's sampler and `generate` are timed alternately (order flipped every repeat) on the same prompts of the
+arithmetic task, with sampling at temperature 1; tokens are the generated tokens up to and including EOS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", choices=["tiny", "smollm2"])
+    parser.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated rollout batch sizes")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--repeats", type=int, default=3, help="timed generations per batch size and side")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
+    parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
+    parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    parser.add_argument("--quick", action="store_true", help="tiny model, small batches: seconds, for tests")
+
+
+def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Memory bandwidth in bytes/s: best of `repeats` copies of a `megabytes` fp32 tensor, counting the read
+    and the write (STREAM 'copy' convention)."""
+    import torch
+
+    src = torch.randn(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = max(best, 2 * src.nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def measure_matmul_flops(size: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
+    """Dense matmul throughput in FLOP/s (best of `repeats`): 2 * size^3 per product."""
+    import torch
+
+    a = torch.randn(size, size, dtype=getattr(torch, dtype))
+    b = torch.randn(size, size, dtype=getattr(torch, dtype))
+    a @ b
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = max(best, 2 * size**3 / (time.perf_counter() - t0))
+    return best
+
+
+def decode_costs(model) -> dict[str, float]:
+    """Bytes of weights read and matmul parameters used per decode step, and KV bytes per cached position."""
+    cfg = model.config
+    params = {id(p): p for p in model.parameters()}.values()
+    total_bytes = sum(p.numel() * p.element_size() for p in params)
+    emb = model.get_input_embeddings().weight
+    head = model.get_output_embeddings().weight
+    tied = emb.data_ptr() == head.data_ptr()
+    weight_bytes = total_bytes - (0 if tied else emb.numel() * emb.element_size())
+    matmul_params = sum(p.numel() for p in params if p.dim() == 2) - (0 if tied else emb.numel())
+    heads = cfg.num_attention_heads
+    head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // heads
+    kv_heads = getattr(cfg, "num_key_value_heads", None) or heads
+    kv_bytes_per_position = 2 * cfg.num_hidden_layers * kv_heads * head_dim * emb.element_size()
+    return {"weight_bytes": float(weight_bytes), "matmul_params": float(matmul_params),
+            "kv_bytes_per_position": float(kv_bytes_per_position), "tied_embeddings": float(tied)}
+
+
+def _generate_hf(model, tokenizer, prompts, max_new_tokens, seed):
+    """Plain `model.generate` (sampling, KV cache); returns (seconds, generated tokens up to EOS)."""
+    import torch
+
+    pad = tokenizer.pad_token_id
+    width = max(len(p) for p in prompts)
+    ids = torch.tensor([[pad] * (width - len(p)) + p for p in prompts])
+    mask = (torch.arange(width) >= torch.tensor([width - len(p) for p in prompts])[:, None]).long()
+    torch.manual_seed(seed)
+    t0 = time.perf_counter()
+    with torch.no_grad():
+        out = model.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                             top_p=1.0, max_new_tokens=max_new_tokens, pad_token_id=pad)
+    dt = time.perf_counter() - t0
+    new = out[:, width:]
+    eos = torch.as_tensor(tokenizer.eos_token_id)
+    is_eos = new == eos
+    first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], new.shape[1],
+                                                                               dtype=torch.long))
+    tokens = int(torch.clamp(first + 1, max=new.shape[1]).sum())
+    return dt, tokens, int(new.shape[1])
+
+
+def _generate_covrl(sampler, prompts, max_new_tokens, seed):
+    import torch
+
+    gen = torch.Generator().manual_seed(seed)
+    t0 = time.perf_counter()
+    batch = sampler.generate(prompts, 1, generator=gen)
+    dt = time.perf_counter() - t0
+    return dt, int(batch.response_mask.sum()), int(batch.response_ids.shape[1])
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from covrl.bench import _trl
+    from covrl.bench.common import write_bench
+
+    if args.quick:
+        args.model, args.batch_sizes, args.max_new_tokens, args.repeats = "tiny", "1,4", 8, 1
+    torch.set_num_threads(args.threads)
+    cache = args.cache_dir or _trl.DEFAULT_CACHE
+    bandwidth = measure_bandwidth(64 if args.quick else 512)
+    flops = measure_matmul_flops(256 if args.quick else 1024, dtype=args.dtype)
+    model, tokenizer = _trl.load_model(args.model, cache, args.dtype)
+    model.eval()
+    costs = decode_costs(model)
+    settings = _trl.StepSettings(model=args.model, max_new_tokens=args.max_new_tokens,
+                                 task=_trl.default_task_overrides(args.model))
+    _, prompts = _trl.build_bench_task(settings, tokenizer)
+
+    from covrl.rollout import SamplerConfig, build_sampler
+
+    sampler = build_sampler(SamplerConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
+                                          max_batch=max(int(b) for b in args.batch_sizes.split(","))),
+                            model, tokenizer)
+    sides = {"covrl": lambda ps, s: _generate_covrl(sampler, ps, args.max_new_tokens, s),
+             "generate": lambda ps, s: _generate_hf(model, tokenizer, ps, args.max_new_tokens, s)}
+    rows = []
+    for b in (int(x) for x in args.batch_sizes.split(",")):
+        batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
+        for fn in sides.values():  # warm-up (allocator, first-call costs)
+            fn(batch_prompts, 0)
+        runs = {name: [] for name in sides}
+        for rep in range(args.repeats):
+            order = list(sides) if rep % 2 == 0 else list(reversed(sides))
+            for name in order:
+                dt, tokens, steps = sides[name](batch_prompts, rep + 1)
+                runs[name].append({"seconds": dt, "tokens": tokens, "decode_steps": steps,
+                                   "load1": os.getloadavg()[0]})
+        prompt_len = statistics.fmean(len(p) for p in batch_prompts)
+        kv_positions = prompt_len + args.max_new_tokens / 2
+        step_bytes = costs["weight_bytes"] + b * kv_positions * costs["kv_bytes_per_position"]
+        bw_bound = b * bandwidth / step_bytes
+        compute_bound = flops / (2 * costs["matmul_params"])
+        roofline = min(bw_bound, compute_bound)
+        row = {"batch": b, "bandwidth_bound_tok_s": bw_bound, "compute_bound_tok_s": compute_bound,
+               "roofline_tok_s": roofline, "runs": runs}
+        for name, rs in runs.items():
+            tok_s = sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
+            steps_s = sum(r["decode_steps"] for r in rs) / sum(r["seconds"] for r in rs)
+            row[f"{name}_tok_s"] = tok_s
+            row[f"{name}_decode_steps_s"] = steps_s
+            # decode-step rate x B: the rate if every row were generating (padding after EOS included)
+            row[f"{name}_fraction_of_roofline"] = steps_s * b / roofline
+        row["covrl_over_generate"] = row["covrl_tok_s"] / row["generate_tok_s"]
+        row["mean_load1"] = statistics.fmean(r["load1"] for rs in runs.values() for r in rs)
+        rows.append(row)
+
+    results = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
+               "max_new_tokens": args.max_new_tokens, "bandwidth_GB_s": bandwidth / 1e9,
+               "matmul_GFLOP_s": flops / 1e9, **costs, "rows": rows}
+    header = ("| B | covrl tok/s | generate tok/s | covrl/generate | bandwidth bound | compute bound "
+              "| covrl % of roofline | generate % of roofline | load |\n|---|---|---|---|---|---|---|---|---|\n")
+    lines = [f"| {r['batch']} | {r['covrl_tok_s']:.1f} | {r['generate_tok_s']:.1f} | "
+             f"{r['covrl_over_generate']:.2f} | {r['bandwidth_bound_tok_s']:.0f} | {r['compute_bound_tok_s']:.0f} | "
+             f"{100 * r['covrl_fraction_of_roofline']:.0f}% | {100 * r['generate_fraction_of_roofline']:.0f}% | "
+             f"{r['mean_load1']:.1f} |" for r in rows]
+    note = (f"\nmodel {args.model} ({args.dtype}), {args.threads} thread(s), {args.max_new_tokens} new tokens; "
+            f"bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s, "
+            f"weights read per step {costs['weight_bytes'] / 2**20:.0f} MiB. "
+            "% of roofline uses decode steps x B (padding rows after EOS count as work).\n")
+    write_bench(f"rollout-{args.model}" + ("-quick" if args.quick else ""), results, header + "\n".join(lines) + note,
+                Path(args.out))
+    return 0

@@ -1,0 +1,192 @@
+"""`covrl bench step`: the trainer's cost, without generation.
+
+1. Forward+backward grid: `forward_response` (one forward over [prompt | response], log-probs of the response
+   tokens) + a token-mean policy-gradient loss + backward, by micro-batch rows and response length, with and
+   without the detached per-token statistics (entropy, Σπ²) the Trainer computes for OTB and the metrics.
+   tokens/s counts response tokens (the ones that get a gradient).
+2. Variants: a full `Trainer.step` on one synthetic scored batch for the plain loss (GRPO advantages +
+   covariance loss, no correction) and for OTB and each correction / extra term switched on alone; reported
+   as median step time and overhead over the plain step. All variants run round-robin on one Trainer (its
+   config swapped between steps, lr 1e-9 so the weights do not drift), so load changes hit all alike.
+
+The synthetic batch: random prompt and response ids, full masks, sampler log-probs = the model's own
+log-probs plus N(0, 0.05²) noise (so IS weights and rejection are not trivially 1), the model's top-K for
+score centring, Bernoulli(0.5) rewards in groups of `group_size`."""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+# name -> config sections (dicts) merged over the plain step; "needs" lists extra inputs
+VARIANTS: dict[str, dict] = {
+    "plain (grpo + covariance)": {},
+    "otb advantage": {"algorithm": {"advantage": "otb"}},
+    "ppo_clip loss": {"algorithm": {"loss": "ppo_clip"}},
+    "token IS (C=2)": {"correction": {"is_level": "token"}},
+    "sequence IS (C=2)": {"correction": {"is_level": "sequence"}},
+    "token IS batch-normalised": {"correction": {"is_level": "token", "is_batch_normalize": True}},
+    "rejection seq_mean_k3": {"correction": {"rs": ["seq_mean_k3"], "rs_threshold": [0.01]}},
+    "score centring (K=8)": {"algorithm": {"score_centering": True}},
+    "KL loss k3 (ref model)": {"kl": {"coef": 0.01}},
+    "no tangent diagnostics": {"logging": {"diagnostics": False}},
+}
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="smollm2", choices=["tiny", "smollm2"])
+    parser.add_argument("--micro-batches", default="4,16", help="rows per forward/backward (grid)")
+    parser.add_argument("--lengths", default="24,96", help="response tokens per row (grid)")
+    parser.add_argument("--prompt-length", type=int, default=32)
+    parser.add_argument("--rows", type=int, default=16, help="rows of the batch for the variants")
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--response-length", type=int, default=24, help="response tokens in the variants' batch")
+    parser.add_argument("--micro-batch", type=int, default=16, help="optim.micro_batch_size of the variants")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--variants", default="all", help="comma-separated variant names or 'all'")
+    parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
+    parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    parser.add_argument("--quick", action="store_true", help="tiny model, small grid, 1 repeat (tests)")
+
+
+def synthetic_batch(model, vocab: int, rows: int, prompt_len: int, resp_len: int, group_size: int,
+                    topk: int = 8, seed: int = 0):
+    """A scored RolloutBatch of random tokens whose sampler log-probs are the model's own plus small noise."""
+    import torch
+
+    from covrl.math import token_logprobs
+    from covrl.rollout import RolloutBatch
+
+    g = torch.Generator().manual_seed(seed)
+    low = 4 if vocab > 8 else 0  # keep clear of special ids
+    prompt = torch.randint(low, vocab, (rows, prompt_len), generator=g)
+    resp = torch.randint(low, vocab, (rows, resp_len), generator=g)
+    with torch.no_grad():
+        logits = model(input_ids=torch.cat([prompt, resp], 1)).logits[:, prompt_len - 1:-1].float()
+        lp = token_logprobs(logits, resp)
+        top = torch.log_softmax(logits, -1).topk(topk, dim=-1)
+    noise = 0.05 * torch.randn(lp.shape, generator=g)
+    return RolloutBatch(
+        prompt_ids=prompt, prompt_mask=torch.ones(rows, prompt_len), response_ids=resp,
+        response_mask=torch.ones(rows, resp_len), sampler_logprobs=lp + noise,
+        group_ids=torch.arange(rows) // group_size, policy_version=torch.zeros(rows, dtype=torch.long),
+        rewards=(torch.rand(rows, generator=g) < 0.5).float(), sampler_topk_ids=top.indices,
+        sampler_topk_logprobs=top.values, info={"correct": [False] * rows},
+    )
+
+
+def _fwd_bwd(model, batch, with_stats: bool) -> float:
+    import torch
+
+    from covrl.train.trainer import forward_response
+
+    model.zero_grad(set_to_none=True)
+    t0 = time.perf_counter()
+    fwd = forward_response(model, batch, 1.0, with_stats=with_stats)
+    mask = batch.response_mask
+    adv = torch.where(batch.rewards > 0.5, 1.0, -1.0)[:, None]
+    loss = -(fwd.logprobs * adv * mask).sum() / mask.sum()
+    loss.backward()
+    return time.perf_counter() - t0
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    import torch
+
+    from covrl.bench import _trl
+    from covrl.bench.common import write_bench
+    from covrl.models import frozen_copy
+    from covrl.train.trainer import Trainer
+
+    if args.quick:
+        args.model, args.micro_batches, args.lengths, args.rows, args.repeats = "tiny", "4", "8", 8, 1
+        args.group_size, args.micro_batch, args.response_length, args.prompt_length = 4, 8, 8, 8
+    torch.set_num_threads(args.threads)
+    model, tokenizer = _trl.load_model(args.model, args.cache_dir or _trl.DEFAULT_CACHE)
+    model.train()
+    vocab = model.config.vocab_size
+
+    # 1. forward+backward grid, with/without the per-token statistics, alternating
+    grid = []
+    for mb in (int(x) for x in args.micro_batches.split(",")):
+        for length in (int(x) for x in args.lengths.split(",")):
+            batch = synthetic_batch(model, vocab, mb, args.prompt_length, length, min(args.group_size, mb))
+            _fwd_bwd(model, batch, True)  # warm-up
+            times = {True: [], False: []}
+            for rep in range(args.repeats):
+                for stats in ((True, False) if rep % 2 == 0 else (False, True)):
+                    times[stats].append(_fwd_bwd(model, batch, stats))
+            plain, full = statistics.median(times[False]), statistics.median(times[True])
+            grid.append({"micro_batch": mb, "response_length": length, "prompt_length": args.prompt_length,
+                         "fwd_bwd_s": plain, "fwd_bwd_stats_s": full,
+                         "tokens_per_s": mb * length / plain, "tokens_per_s_stats": mb * length / full,
+                         "all_tokens_per_s": mb * (length + args.prompt_length) / plain,
+                         "stats_overhead": full / plain - 1.0, "load1": os.getloadavg()[0]})
+    model.zero_grad(set_to_none=True)
+
+    # 2. Trainer.step variants round-robin
+    names = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",")]
+    unknown = [n for n in names if n not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; allowed: {list(VARIANTS)}")
+    settings = _trl.StepSettings(model=args.model, n_prompts=max(1, args.rows // args.group_size),
+                                 group_size=args.group_size, learning_rate=1e-9,
+                                 task=_trl.default_task_overrides(args.model))
+    base = {"algorithm": {"advantage": "grpo", "loss": "covariance"},
+            "optim": {"lr": 1e-9, "micro_batch_size": args.micro_batch, "max_grad_norm": 1.0},
+            "loop": {"steps": 1000, "prompts_per_step": settings.n_prompts, "group_size": args.group_size},
+            "sampler": {"return_topk": 8}}
+    cfgs = {}
+    for name in names:
+        sections = {k: dict(v) for k, v in base.items()}
+        for key, val in VARIANTS[name].items():
+            sections[key] = {**sections.get(key, {}), **val}
+        cfgs[name] = _trl.bench_train_config(settings, **sections)
+    trainer = Trainer(model, cfgs[names[0]])
+    ref = frozen_copy(model) if any(c.kl.coef > 0 for c in cfgs.values()) else None
+    batch = synthetic_batch(model, vocab, args.rows, args.prompt_length, args.response_length, args.group_size)
+    runs = {name: [] for name in names}
+    for rep in range(args.repeats + 1):  # first round = warm-up
+        order = names if rep % 2 == 0 else list(reversed(names))
+        for name in order:
+            trainer.cfg = cfgs[name]
+            trainer.ref_model = ref if cfgs[name].kl.coef > 0 else None
+            t0 = time.perf_counter()
+            m = trainer.step(batch)
+            dt = time.perf_counter() - t0
+            if rep:
+                runs[name].append({"step_s": dt, "forward_backward_s": m.get("time/forward_backward", 0.0),
+                                   "optimizer_s": m.get("time/optimizer", 0.0), "load1": os.getloadavg()[0]})
+    plain_name = names[0]
+    plain_s = statistics.median(r["step_s"] for r in runs[plain_name])
+    variants = []
+    for name in names:
+        rs = runs[name]
+        med = statistics.median(r["step_s"] for r in rs)
+        fb = statistics.median(r["forward_backward_s"] for r in rs)
+        opt = statistics.median(r["optimizer_s"] for r in rs)
+        variants.append({"variant": name, "step_s": med, "forward_backward_s": fb, "optimizer_s": opt,
+                         "other_s": med - fb - opt, "overhead_vs_plain": med / plain_s - 1.0, "runs": rs})
+
+    results = {"model": args.model, "threads": args.threads, "grid": grid, "variants": variants,
+               "variant_batch": {"rows": args.rows, "prompt_length": args.prompt_length,
+                                 "response_length": args.response_length, "micro_batch": args.micro_batch,
+                                 "group_size": args.group_size}}
+    t1 = ["| micro-batch | response len | fwd+bwd s | resp tok/s | + entropy/Σπ² s | stats overhead | load |",
+          "|---|---|---|---|---|---|---|"]
+    t1 += [f"| {g['micro_batch']} | {g['response_length']} | {g['fwd_bwd_s']:.3f} | {g['tokens_per_s']:.0f} | "
+           f"{g['fwd_bwd_stats_s']:.3f} | {100 * g['stats_overhead']:+.1f}% | {g['load1']:.1f} |" for g in grid]
+    t2 = ["| variant | step s | fwd+bwd s | optimizer s | other s | overhead vs plain |", "|---|---|---|---|---|---|"]
+    t2 += [f"| {v['variant']} | {v['step_s']:.3f} | {v['forward_backward_s']:.3f} | {v['optimizer_s']:.3f} | "
+           f"{v['other_s']:.3f} | {100 * v['overhead_vs_plain']:+.1f}% |" for v in variants]
+    note = (f"\nmodel {args.model}, {args.threads} thread(s); variants: {args.rows} rows x ({args.prompt_length} "
+            f"prompt + {args.response_length} response) tokens, micro-batch {args.micro_batch}, "
+            f"{args.repeats} round-robin repeats (median).\n")
+    write_bench(f"step-{args.model}" + ("-quick" if args.quick else ""), results,
+                "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n" + note, Path(args.out))
+    return 0

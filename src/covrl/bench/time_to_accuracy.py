@@ -1,0 +1,137 @@
+"""`covrl bench time-to-accuracy`: training wall time until greedy held-out accuracy reaches the target
+(default 90%) on one-digit addition, covrl's default run vs TRL's GRPO.
+
+covrl side: the run `covrl train --config configs/default.yaml` builds (model loader, SFT warm-up if any,
+sampler, Trainer, data stream), stepped like the sync loop. TRL side: `GRPOTrainer` on the same model
+weights (the SmolLM2 folder), the same task (the covrl config's `task` section: same training prompts,
+held-out prompts and grader), at the settings reported best on this machine: 16 completions per step
+(2 prompts x 8), 24 new tokens, lr 1e-5 (overridable).
+
+Both sides step alternately in their own processes; each keeps a training clock (the sum of its step times,
+plus covrl's SFT warm-up if the config has one; model loading excluded) and pauses it to evaluate greedy
+accuracy on the same held-out prompts with the same decoder (covrl's HF sampler, `max_new_tokens` new
+tokens) and grader each time `eval_interval_s` of training time has passed. The time to accuracy is the
+training clock at the first evaluation at or above the target (so it is rounded up to the evaluation grid);
+a side that does not reach the target within `budget_s` is reported as not reached."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--covrl-config", default="configs/default.yaml", help="covrl's run config (YAML)")
+    parser.add_argument("--trl-prompts", type=int, default=2, help="TRL prompts per step")
+    parser.add_argument("--trl-group-size", type=int, default=8, help="TRL completions per prompt")
+    parser.add_argument("--trl-lr", type=float, default=1e-5)
+    parser.add_argument("--max-new-tokens", type=int, default=24, help="TRL's completion length and the "
+                        "evaluation's (both sides)")
+    parser.add_argument("--target", type=float, default=0.9, help="greedy held-out accuracy to reach")
+    parser.add_argument("--budget-s", type=float, default=600.0, help="training time allowed per side")
+    parser.add_argument("--eval-interval-s", type=float, default=30.0, help="training time between evaluations")
+    parser.add_argument("--eval-prompts", type=int, default=50, help="held-out prompts per evaluation")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per side")
+    parser.add_argument("--sides", default="covrl,trl")
+    parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
+    parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    parser.add_argument("--quick", action="store_true",
+                        help="tiny model + configs/tiny.yaml without warm-up, seconds of budget (tests)")
+
+
+def _pct(x: float | None) -> str:
+    return "" if x is None else f"{x:.0%}"
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+    import shutil
+    import tempfile
+    from pathlib import Path
+
+    import yaml
+
+    from covrl.bench import _trl
+    from covrl.bench.common import write_bench
+    from covrl.config import load_config
+
+    cache = str(args.cache_dir or _trl.DEFAULT_CACHE)
+    config_path = args.covrl_config
+    if args.quick:
+        # the tiny config on the cached tiny model folder, two short steps per side: exercises the machinery
+        tiny_yaml = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"  # the repo's configs/
+        base = yaml.safe_load(tiny_yaml.read_text()) if tiny_yaml.is_file() else {}
+        base.update({"model": {"source": "hf", "path": str(_trl.model_dir("tiny", cache))},
+                     "sft_warmup": {"steps": 0}, "loop": {"steps": 2, "prompts_per_step": 2, "group_size": 2},
+                     "sampler": {"max_new_tokens": 4, "max_batch": 8}, "optim": {"micro_batch_size": 4}})
+        base["task"] = {**base.get("task", {}), "chat_template": False, "n_train": 20, "n_eval": 4}
+        tmp = Path(tempfile.mkdtemp(prefix="covrl-tta-quick-")) / "tiny-quick.yaml"
+        tmp.write_text(yaml.safe_dump(base))
+        config_path = str(tmp)
+        args.trl_prompts, args.trl_group_size, args.max_new_tokens = 2, 2, 4
+        args.budget_s, args.eval_interval_s, args.eval_prompts = 0.0, 1e-9, 4
+    cfg = load_config(config_path)
+    model = "tiny" if args.quick else "smollm2"
+    common = dict(model=model, cache_dir=cache, threads=args.threads, seed=cfg.run.seed,
+                  max_new_tokens=args.max_new_tokens, warmup_steps=0, eval_interval_s=args.eval_interval_s,
+                  eval_prompts=args.eval_prompts, target_accuracy=args.target, budget_s=args.budget_s,
+                  task=cfg.task.model_dump(mode="json"), check_loss=False)
+    max_steps = 2 if args.quick else 10_000
+    per_side = {
+        "covrl": _trl.StepSettings(**common, steps=max_steps, covrl_config=config_path),
+        "trl": _trl.StepSettings(**common, steps=max_steps, n_prompts=args.trl_prompts,
+                                 group_size=args.trl_group_size, learning_rate=args.trl_lr),
+    }
+    sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
+    load_before = os.getloadavg()
+    timing = _trl.run_alternating({s: per_side[s] for s in sides}, sides, timeout_s=7200.0)
+    results = {"target": args.target, "budget_s": args.budget_s, "eval_interval_s": args.eval_interval_s,
+               "covrl_config": cfg.model_dump(mode="json"), "covrl_config_path": config_path,
+               "trl_settings": vars(per_side["trl"]), "load_before": load_before, "load_after": os.getloadavg(),
+               "sides": {}}
+    rows = ["| side | accuracy before | reached | time to target s | steps | final accuracy | "
+            "rollouts/step | mean step s | mean load |", "|---|---|---|---|---|---|---|---|---|"]
+    for side in sides:
+        recs = timing["all_records"][side]
+        evals = [(r["train_clock_s"], r["accuracy"], r["step"] + 1) for r in recs if "accuracy" in r]
+        hit = next(((t, a, n) for t, a, n in evals if a >= args.target), None)
+        rollouts = (per_side[side].batch_size if side == "trl"
+                    else cfg.loop.prompts_per_step * cfg.loop.group_size)
+        info = {
+            "accuracy_before": timing["ready"][side].get("accuracy_before"),
+            "sft_s": timing["ready"][side].get("sft_s", 0.0),
+            "reached": hit is not None, "time_to_target_s": hit[0] if hit else None,
+            "steps_to_target": hit[2] if hit else None,
+            "steps": len(recs), "final_accuracy": evals[-1][1] if evals else None,
+            "train_clock_s": recs[-1]["train_clock_s"] if recs else 0.0,
+            "evals": [{"train_clock_s": t, "accuracy": a, "steps": n} for t, a, n in evals],
+            "mean_step_s": sum(r["step_time"] for r in recs) / max(len(recs), 1),
+            "mean_load1": sum(r["load1"] for r in recs) / max(len(recs), 1), "rollouts_per_step": rollouts,
+            "summary": timing["summary"][side],
+        }
+        results["sides"][side] = info
+        when = f"{info['time_to_target_s']:.0f}" if hit else f"> {info['train_clock_s']:.0f} (not reached)"
+        before, final = _pct(info["accuracy_before"]), _pct(info["final_accuracy"])
+        rows.append(f"| {side} | {before} | {'yes' if hit else 'no'} | {when} | {info['steps']} | {final} | "
+                    f"{rollouts} | {info['mean_step_s']:.1f} | {info['mean_load1']:.1f} |")
+    table = "\n".join(rows)
+    s = results["sides"]
+    if "covrl" in s and "trl" in s:
+        c, t = s["covrl"], s["trl"]
+        if c["reached"] and t["reached"]:
+            ratio = c["time_to_target_s"] / t["time_to_target_s"]
+            results["covrl_over_trl_time"] = ratio
+            table += f"\n\ncovrl/TRL time to {args.target:.0%}: **{ratio:.2f}** (goal <= 0.5)."
+        elif c["reached"]:
+            bound = c["time_to_target_s"] / t["train_clock_s"]
+            results["covrl_over_trl_time_upper_bound"] = bound
+            table += f"\n\nTRL did not reach the target; covrl/TRL time < {bound:.2f}."
+        else:
+            table += "\n\ncovrl did not reach the target within the budget."
+    table += (f"\n\nTarget {args.target:.0%} greedy accuracy on {args.eval_prompts} held-out prompts, evaluated every "
+              f"{args.eval_interval_s:g} s of training time (clock paused), budget {args.budget_s:g} s per side, "
+              f"{args.threads} thread(s) each; TRL: {per_side['trl'].n_prompts} x {per_side['trl'].group_size} "
+              f"completions, {args.max_new_tokens} new tokens, lr {args.trl_lr:g}; covrl: {config_path}.\n")
+    write_bench("time-to-accuracy" + ("-quick" if args.quick else ""), results, table, Path(args.out))
+    if args.quick:
+        shutil.rmtree(Path(config_path).parent, ignore_errors=True)
+    return 0

@@ -1,0 +1,102 @@
+"""`covrl bench trl`: the same GRPO step in covrl and in TRL's `GRPOTrainer`, run alternately.
+
+Both sides: the same model folder, the same prompts (covrl's arithmetic task, `n_prompts` per step, in order),
+`group_size` completions per prompt sampled at temperature 1 with up to `max_new_tokens` new tokens, the
+task's reward, group-normalised advantages (GRPO), the clipped ratio loss averaged over all completion tokens,
+AdamW at a constant lr, grad-norm clipping, one optimizer step per rollout batch, fp32, `threads` torch threads.
+Each side runs in its own process; steps alternate (order flipped every step) so load on a shared machine
+hits both alike. Reported per side: median step time, generated tokens/s (over generation time), trained
+tokens/s (completion tokens over the whole step), peak RSS; and covrl/TRL ratios.
+
+Before timing, `--check-loss` (on by default) verifies the per-step math agrees: on one shared batch, TRL's
+own `compute_loss` and covrl's `compute_advantages('grpo')` + `policy_loss('ppo_clip')` give the loss and the
+gradient (reported: relative differences)."""
+
+from __future__ import annotations
+
+import argparse
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per side")
+    parser.add_argument("--warmup-steps", type=int, default=1, help="untimed steps per side first")
+    parser.add_argument("--prompts", type=int, default=4, help="prompts per step")
+    parser.add_argument("--group-size", type=int, default=8, help="completions per prompt")
+    parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--lr", type=float, default=1e-5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per side")
+    parser.add_argument("--sides", default="covrl,trl", help="which sides to run (comma-separated)")
+    parser.add_argument("--no-check-loss", dest="check_loss", action="store_false",
+                        help="skip the loss/gradient agreement check")
+    parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
+    parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps, short completions (tests)")
+
+
+def settings_from_args(args: argparse.Namespace):
+    from covrl.bench import _trl
+
+    if args.quick:
+        args.model, args.steps, args.warmup_steps, args.prompts, args.group_size, args.max_new_tokens = (
+            "tiny", 2, 1, 2, 2, 6)
+    return _trl.StepSettings(
+        model=args.model, cache_dir=str(args.cache_dir or _trl.DEFAULT_CACHE), threads=args.threads,
+        n_prompts=args.prompts, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
+        learning_rate=args.lr, warmup_steps=args.warmup_steps, steps=args.steps,
+        task=_trl.default_task_overrides(args.model),
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    import os
+    from pathlib import Path
+
+    from covrl.bench import _trl
+    from covrl.bench.common import write_bench
+
+    settings = settings_from_args(args)
+    sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
+    unknown = set(sides) - set(_trl.WORKERS)
+    if unknown:
+        raise SystemExit(f"--sides: unknown {sorted(unknown)}; allowed: {', '.join(_trl.WORKERS)}")
+    load_before = os.getloadavg()
+    settings.check_loss = args.check_loss and "trl" in sides
+    timing = _trl.run_alternating(settings, sides)
+    agreement = timing["ready"].get("trl", {}).get("agreement")
+    summary = timing["summary"]
+    ratios = {}
+    if "covrl" in summary and "trl" in summary:
+        c, t = summary["covrl"], summary["trl"]
+        ratios = {
+            "step_time_trl_over_covrl": t["median_step_s"] / c["median_step_s"],
+            "throughput_covrl_over_trl": c["step_tokens_per_s"] / t["step_tokens_per_s"],
+            "gen_tokens_per_s_covrl_over_trl": c["gen_tokens_per_s"] / t["gen_tokens_per_s"],
+            "trained_tokens_per_s_covrl_over_trl": c["trained_tokens_per_s"] / t["trained_tokens_per_s"],
+            "peak_rss_covrl_over_trl": c["peak_rss_mb"] / t["peak_rss_mb"],
+        }
+    results = {"settings": vars(settings) | {"batch_size": settings.batch_size}, "sides": sides,
+               "load_before": load_before, "load_after": os.getloadavg(), "agreement": agreement,
+               "ratios": ratios, **timing}
+    rows = ["| side | median step s | gen tok/s | trained tok/s | end-to-end tok/s | gen tokens/step | "
+            "peak RSS MiB | mean reward | load |", "|---|---|---|---|---|---|---|---|---|"]
+    for side, s in summary.items():
+        rows.append(f"| {side} | {s['median_step_s']:.3f} | {s['gen_tokens_per_s']:.1f} | "
+                    f"{s['trained_tokens_per_s']:.1f} | {s['step_tokens_per_s']:.1f} | "
+                    f"{s['gen_tokens_per_step']:.0f} | {s['peak_rss_mb']:.0f} | {s['reward_mean']:.3f} | "
+                    f"{s['mean_load1']:.1f} |")
+    table = "\n".join(rows)
+    if ratios:
+        table += (f"\n\ncovrl/TRL end-to-end throughput: **{ratios['throughput_covrl_over_trl']:.2f}x** "
+                  f"(median step time TRL/covrl {ratios['step_time_trl_over_covrl']:.2f}x; generation "
+                  f"{ratios['gen_tokens_per_s_covrl_over_trl']:.2f}x; peak RSS covrl/TRL "
+                  f"{ratios['peak_rss_covrl_over_trl']:.2f}).")
+    if agreement:
+        table += (f"\nLoss agreement on a shared batch: |loss diff| {agreement['loss_abs_diff']:.2e} "
+                  f"(TRL {agreement['trl_loss']:.6f}, covrl {agreement['covrl_loss']:.6f}); grad rel. diff "
+                  f"{agreement['grad_rel_diff']:.2e}; advantage max diff {agreement['advantage_max_diff']:.2e}.")
+    table += (f"\n\nmodel {settings.model}, {settings.n_prompts} prompts x {settings.group_size} completions, "
+              f"{settings.max_new_tokens} new tokens, {settings.threads} thread(s), {settings.steps} timed steps "
+              f"after {settings.warmup_steps} warm-up; load1 before {load_before[0]:.1f}.\n")
+    write_bench(f"trl-{settings.model}" + ("-quick" if args.quick else ""), results, table, Path(args.out))
+    return 0
