@@ -84,3 +84,17 @@ def test_bad_inputs_raise_with_names():
     with pytest.raises(ValueError, match="rule"):
         lr_for_batch(1e-3, 8, 16, "sgd", rule="cubic")
     assert math.isclose(lr_for_batch(2.0, 3, 3, "adam"), 2.0)
+
+
+def test_trainer_applies_the_rule():
+    """The run's lr follows batch_scaling: AdamW tuned at 8 rollouts/step, run at 32 -> lr x 2."""
+    from covrl.config import load_config
+    from covrl.models import tiny_llama
+    from covrl.train.trainer import Trainer
+
+    model = tiny_llama(100, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_positions=32)
+    over = ["optim.lr=1e-3", "loop.prompts_per_step=4", "loop.group_size=8", "model.source=tiny"]
+    plain = Trainer(model, load_config(None, over))
+    scaled = Trainer(model, load_config(None, over + ["batch_scaling.scale_lr=true",
+                                                     "batch_scaling.base_batch_rollouts=8"]))
+    assert plain.lr_at(0) == pytest.approx(1e-3) and scaled.lr_at(0) == pytest.approx(2e-3)

@@ -583,3 +583,27 @@ def prepare_async_run(cfg, **kwargs):
 
     return prepare_run(cfg, build_sampler_fn=build_async_sampler, **kwargs)
 
+
+def _sync_functions():
+    from covrl.train.loop import train_sync
+    from covrl.train.run import prepare_run
+
+    return prepare_run, train_sync
+
+
+def _async_functions():
+    return prepare_async_run, train_async
+
+
+# loop.mode -> () -> (prepare(cfg, config_path=..., resume=...) -> Run, train(run) -> summary); "ray" is driven by
+# covrl.train.ray_backend.train_from_config_ray (its trainer side may live in an actor).
+LOOP_MODES = {"sync": _sync_functions, "async": _async_functions}
+
+
+def loop_functions(mode: str):
+    """(prepare, train) of a loop mode (see LOOP_MODES)."""
+    if mode not in LOOP_MODES:
+        raise ValueError(f"loop.mode={mode!r} has no local loop; allowed here: {', '.join(LOOP_MODES)} "
+                         "(ray runs through covrl.train.ray_backend)")
+    return LOOP_MODES[mode]()
+
