@@ -60,19 +60,24 @@ def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
     """Prepare the run, train, print where results went. Exit codes: 0 ok, 2 bad input, 3 diverged,
     130 interrupted."""
     from covrl.models import ModelNotFoundError
-    from covrl.train.loop import train_sync
-    from covrl.train.run import prepare_run
     from covrl.train.trainer import TrainingDivergedError
 
+    if cfg.loop.mode == "ray":   # the trainer side may run in a Ray actor: the backend drives the whole run
+        from covrl.train.ray_backend import train_from_config_ray
+
+        return train_from_config_ray(cfg, config_path=config_path, resume=resume)
+    from covrl.train.async_loop import loop_functions
+
+    prepare_fn, train_fn = loop_functions(cfg.loop.mode)   # sync: prepare_run + train_sync
     try:
-        run_state = prepare_run(cfg, config_path=config_path, resume=resume)
+        run_state = prepare_fn(cfg, config_path=config_path, resume=resume)
     except (ModelNotFoundError, FileNotFoundError, ValueError) as err:
         _print_err(str(err))
         return 2
     print(f"run folder: {run_state.run_dir}" + (f" (resumed from {run_state.resumed_from})"
                                                  if run_state.resumed_from else ""))
     try:
-        summary = train_sync(run_state)
+        summary = train_fn(run_state)
     except TrainingDivergedError as err:
         _print_err(str(err))
         return 3

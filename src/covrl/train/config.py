@@ -17,6 +17,8 @@ from covrl.math import CorrectionConfig
 from covrl.models import ModelConfig
 from covrl.rollout import SamplerConfig
 from covrl.tasks import TaskConfig
+from covrl.train.async_config import AsyncLoopConfig
+from covrl.train.batch_scaling import BatchScalingConfig
 from covrl.train.lr_surge import LengthSurgeConfig
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
@@ -128,7 +130,9 @@ class KLConfig(_Section):
 
 
 class LoopConfig(_Section):
-    mode: Literal["sync"] = Field("sync", description="orchestration: sync (generate, then train)")
+    mode: Literal["sync", "async", "ray"] = Field(
+        "sync", description="orchestration: sync (generate, then train), async (sampler thread beside the "
+                            "trainer, see async_loop), ray (sampler actors; docs/async.md)")
     steps: int = Field(40, ge=1, description="optimizer steps of the run; total rollouts = steps * rollouts/step")
     prompts_per_step: int = Field(8, ge=1, description="distinct prompts per step")
     group_size: int = Field(8, ge=1, description="completions per prompt (a group for the advantage baseline)")
@@ -190,12 +194,22 @@ class TrainConfig(_Section):
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")
     sft_warmup: SFTWarmupConfig = Field(default_factory=SFTWarmupConfig, description="supervised warm-up")
     logging: LoggingConfig = Field(default_factory=LoggingConfig, description="metric sinks")
+    async_loop: AsyncLoopConfig = Field(default_factory=AsyncLoopConfig,
+                                        description="queue, staleness bound and backends of the async loops")
+    batch_scaling: BatchScalingConfig = Field(default_factory=BatchScalingConfig,
+                                              description="scale optim.lr with the rollouts per step")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
         if self.algorithm.score_centering and int(getattr(self.sampler, "return_topk", 0) or 0) <= 0:
             raise ValueError("algorithm.score_centering=true needs sampler.return_topk > 0 "
                              "(the sampler's top-k log-probs)")
+        if self.loop.mode != "sync":
+            self.async_loop.check_against(prompts_per_step=self.loop.prompts_per_step,
+                                          group_size=self.loop.group_size, sync_every=self.sampler.sync_every)
+        if self.batch_scaling.scale_lr and self.batch_scaling.base_batch_rollouts is None:
+            raise ValueError("batch_scaling.scale_lr=true needs batch_scaling.base_batch_rollouts (the rollouts "
+                             "per step at which optim.lr was tuned)")
         return self
 
     @property

@@ -43,6 +43,7 @@ from covrl.math import (
     token_logprobs,
 )
 from covrl.rollout.types import RolloutBatch
+from covrl.train.batch_scaling import scaled_lr
 from covrl.train.config import TrainConfig
 from covrl.train.faults import fault_point
 from covrl.train.lr_surge import LengthSurgeSchedule
@@ -167,12 +168,14 @@ class Trainer:
 
     # ------------------------------------------------------------------------------------------ schedule
     def lr_at(self, rollouts: int, batch_rollouts: int | None = None) -> float:
-        """Peak lr · schedule(data clock) · length-surge scale."""
+        """Peak lr · schedule(data clock) · length-surge scale; the peak is optim.lr, scaled from
+        batch_scaling.base_batch_rollouts to the rollouts per step by the optimizer's rule when
+        batch_scaling.scale_lr (AdamW: square root; covrl.train.batch_scaling)."""
         o = self.cfg.optim
         b = self.cfg.loop.rollouts_per_step if batch_rollouts is None else batch_rollouts
         f = lr_factor(rollouts, b, warmup=o.warmup_rollouts, total=self.cfg.total_rollouts,
                       schedule=o.schedule, min_ratio=o.min_lr_ratio)
-        return o.lr * f * self.surge.scale
+        return scaled_lr(o.lr, self.cfg.loop.rollouts_per_step, self.cfg.batch_scaling) * f * self.surge.scale
 
     # --------------------------------------------------------------------------------------------- step
     def step(self, batch: RolloutBatch) -> dict[str, float]:
