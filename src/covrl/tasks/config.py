@@ -62,7 +62,7 @@ class TaskConfig(BaseModel):
     max_prompt_tokens: int = Field(512, ge=1, le=1_000_000, description="longest prompt in tokens")
     overlong: Literal["truncate", "error"] = Field("truncate", description="prompts over max_prompt_tokens: "
                                                    "truncate (keep the last tokens) or raise an error")
-    reward_timeout_s: float | None = Field(5.0, gt=0, description="per-call timeout for user reward "
+    reward_timeout_s: float | None = Field(5.0, gt=0, le=86400.0, description="per-call timeout for user reward "
                                            "functions (thread-based; None = no timeout)")
     reward_errors: Literal["zero", "raise"] = Field("zero", description="a failing user reward call: "
                                                     "reward 0 and counted (zero) or stop (raise)")

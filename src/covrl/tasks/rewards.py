@@ -162,7 +162,10 @@ class RewardRunner:
 
     def _call(self, completion: str, example: Example):
         if self.timeout_s is None:
-            return self.fn(completion, example)
+            try:
+                return self.fn(completion, example)
+            except (SystemExit, GeneratorExit) as err:  # sys.exit() inside a reward must not end the run
+                raise RuntimeError(f"raised {type(err).__name__}({err})") from err
         if self._worker is None:
             self._worker = _Worker()
         box = _Box()
@@ -171,6 +174,8 @@ class RewardRunner:
             self._worker = None  # abandon the stuck thread; the next call gets a fresh worker
             raise TimeoutError(f"reward function {self.name} took longer than {self.timeout_s} s")
         if box.error is not None:
+            if not isinstance(box.error, Exception):  # SystemExit/KeyboardInterrupt from user code on the worker
+                raise RuntimeError(f"raised {type(box.error).__name__}({box.error})") from box.error
             raise box.error
         return box.value
 
