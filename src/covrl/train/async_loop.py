@@ -399,8 +399,9 @@ def _async_checkpoint_state(state: AsyncState, pool) -> dict[str, Any]:
                     "task_metrics": dict(c["payload"].info.get("task_metrics", {}))}
                 c["payload"] = payload
             c["meta"] = {k: v for k, v in c["meta"].items() if k in ("rng_before", "sampler", "restarted")}
+        pool_state = pool.extra_state() if hasattr(pool, "extra_state") else None
     return {"manager": mgr_state, "sampler_rng": rng, "queue_rollouts": state.queue_rollouts,
-            "chunk_rollouts": state.chunk_rollouts, "pool": type(pool).__name__}
+            "chunk_rollouts": state.chunk_rollouts, "pool": type(pool).__name__, "pool_state": pool_state}
 
 
 def _restore_async_state(state: AsyncState, saved: dict[str, Any] | None) -> None:
@@ -489,6 +490,8 @@ def train_async(run, *, acfg: AsyncLoopConfig | None = None, pool: str | None = 
     pool_name = pool or ("serial" if acfg.emulate else "thread")
     worker_pool = pool_factory(state) if pool_factory is not None else POOLS[pool_name](state)
     state.num_samplers = getattr(worker_pool, "num_samplers", 1)
+    if hasattr(worker_pool, "load_extra_state"):
+        worker_pool.load_extra_state(saved.get("pool_state") if saved else None)
     if acfg.floor_probe_every and hasattr(worker_pool, "_probe_weights"):
         worker_pool._probe_weights = clone_weights(run.model)
 
