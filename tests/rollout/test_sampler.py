@@ -192,3 +192,18 @@ def test_bad_inputs_and_backends(tiny):
         sampler.generate([[1, 2], []], 1, generator=torch.Generator())
     with pytest.raises(ValueError, match="share_weights"):
         build_sampler(SamplerConfig(dtype="bfloat16", share_weights="always"), model, tok)
+
+
+def test_lora_model_sampler_copy_matches_forward():
+    model, tok = load_model(ModelConfig(source="tiny", tiny={"hidden_size": 32, "num_layers": 1, "num_heads": 2,
+                                                             "intermediate_size": 64},
+                                        lora={"rank": 2, "target_modules": ["q_proj"]}), seed=0)
+    cfg = SamplerConfig(max_new_tokens=5, share_weights="never")
+    sampler = build_sampler(cfg, model, tok)
+    with torch.no_grad():  # a trained adapter: the copy sees it only after load_weights
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.add_(0.5)
+    sampler.load_weights(model, version=2)
+    batch = sampler.generate(PROMPTS, 2, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(batch.sampler_logprobs, recompute_logprobs(model, batch, cfg), atol=2e-5)

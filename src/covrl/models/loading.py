@@ -30,7 +30,7 @@ class TinyModelConfig(BaseModel):
 class LoraSettings(BaseModel):
     """Low-rank adapters through peft; only the adapters are trained."""
 
-    model_config = ConfigDict(extra="forbid")
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     rank: int = Field(16, ge=1, le=1024, description="LoRA rank r")
     alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / rank)")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the LoRA input (training only)")

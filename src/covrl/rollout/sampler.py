@@ -218,9 +218,14 @@ class HFSampler:
         cfg = self.cfg
         device = _module_device(self.module)
         B, P = len(rows), max(len(r) for r in rows)
-        ids = torch.full((B, P), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((B, P), dtype=torch.long)
-        for i, r in enumerate(rows):
+        # The n samples of a prompt share their prefix: prefill each distinct prompt once, then repeat its
+        # KV cache rows (n times less prefill compute for n samples per prompt).
+        first_row: dict[tuple[int, ...], int] = {}
+        expand = torch.tensor([first_row.setdefault(tuple(r), len(first_row)) for r in rows], device=device)
+        unique = [list(k) for k in first_row]
+        ids = torch.full((len(unique), P), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(unique), P), dtype=torch.long)
+        for i, r in enumerate(unique):
             ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
             attn[i, P - len(r):] = 1
         ids, attn = ids.to(device), attn.to(device)
@@ -240,10 +245,13 @@ class HFSampler:
                           logits_to_keep=1)
         prefill_s = time.perf_counter() - t0
         cache = _output_cache(out)
-        next_pos = positions[:, -1] + 1
+        if len(unique) < B:
+            cache.batch_select_indices(expand)
+        logits = out.logits[:, -1, :][expand]
+        attn, next_pos = attn[expand], positions[expand, -1] + 1
         active = torch.arange(B, device=device)  # original row of each live batch entry
         for t in range(cfg.max_new_tokens):
-            logq = filtered_logprobs(out.logits[:, -1, :], cfg.temperature, cfg.top_k, cfg.top_p)
+            logq = filtered_logprobs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
             tok = logq.argmax(-1) if greedy else sample_from_logprobs(logq, generator)
             out_tokens[active, t] = tok
             out_logq[active, t] = logq.gather(-1, tok[:, None]).squeeze(-1)
@@ -263,6 +271,7 @@ class HFSampler:
             out = self.module(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
                               use_cache=True, **{self._cache_kwarg: cache})
             cache = _output_cache(out)
+            logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
         piece = {"tokens": out_tokens.cpu(), "logq": out_logq.cpu(), "length": out_len.cpu(),
                  "prefill_s": prefill_s}
