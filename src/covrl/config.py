@@ -71,7 +71,12 @@ def read_yaml(path: str | Path) -> tuple[dict, dict[tuple, int]]:
     path = Path(path)
     if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    text = path.read_text()
+    raw = path.read_bytes()
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:  # used to escape as a bare UnicodeDecodeError without the file's name
+        line = raw[:err.start].count(b"\n") + 1
+        raise ConfigError(f"{path}:{line}: not UTF-8 text ({err.reason} at byte {err.start})") from None
     try:
         data = yaml.load(text, Loader=_Loader)
         lines = _key_lines(yaml.compose(text, Loader=_Loader))
@@ -146,7 +151,9 @@ def _model_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
 def _where(loc: tuple, source: str, lines: dict[tuple, int], overrides: dict[tuple, str], msg: str = "") -> str:
     keys = tuple(str(p) for p in loc)
     # a validator of a whole section names the exact key in its message: point at that key if we can
-    named = [k for k in (*overrides, *lines) if len(k) > len(keys) and k[:len(keys)] == keys and ".".join(k) in msg]
+    # (either its full dotted path or its path below the section, e.g. "letters.max_length" or "rs_threshold")
+    named = [k for k in (*overrides, *lines) if len(k) > len(keys) and k[:len(keys)] == keys and (
+        ".".join(k) in msg or re.search(rf"(?<!\w){re.escape('.'.join(k[len(keys):]))}(?!\w)", msg))]
     if named:
         keys = max(named, key=len)
     for n in range(len(keys), 0, -1):
@@ -169,7 +176,8 @@ def format_validation_error(err: ValidationError, *, source: str = "<config>",
     for e in err.errors():
         # pydantic puts union/function markers in loc (e.g. 'function-after[...]'); keep real keys only.
         loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function"))))
-        field = ".".join(str(p) for p in loc) or "(top level)"
+        # a key with a line break or other control character would split / overwrite the message line
+        field = ".".join(str(p) if str(p).isprintable() else repr(str(p)) for p in loc) or "(top level)"
         where = _where(loc, source, lines, overrides, e["msg"])
         if e["type"] == "extra_forbidden":
             parent = _model_at(root, loc[:-1])

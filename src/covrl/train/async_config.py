@@ -15,7 +15,7 @@ __all__ = ["AsyncLoopConfig"]
 class AsyncLoopConfig(BaseModel):
     """Asynchronous RL: sampler(s) and trainer run concurrently through a rollout queue with admission control."""
 
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     max_staleness_rollouts: int | None = Field(
         None, ge=0, description="queue size Q in rollouts: a rollout is only started if it will be trained at most "

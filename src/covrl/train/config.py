@@ -29,7 +29,7 @@ _LOSS_BUILTIN_ARGS = {"logprobs", "sampler_logprobs", "advantages", "mask", "is_
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # inf lr etc. used to pass
 
 
 def _registry(kind: str) -> dict[str, Any]:
@@ -48,10 +48,10 @@ def registry_options(fn: Any, builtin: set[str]) -> dict[str, inspect.Parameter]
 
 class RunSection(_Section):
     name: str | None = Field(None, description="run folder name under output_dir (default: the config file's stem)")
-    seed: int = Field(0, ge=0, description="one seed for python, numpy, torch and the sampler's generator")
+    seed: int = Field(0, ge=0, le=2**63 - 1, description="one seed for python, numpy, torch and the sampler's generator")
     output_dir: str = Field("runs", min_length=1, description="folder that holds run folders")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="device of the trainer (and HF sampler)")
-    num_threads: int | None = Field(None, ge=1, description="torch CPU threads (None: torch's default)")
+    num_threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads (None: torch's default)")
     save_initial: bool = Field(False, description="save the weights at the start of RL in checkpoints/initial/")
 
 
