@@ -29,6 +29,12 @@ def _record_to_example(record, cfg: TaskConfig, where: str) -> Example:
     if not isinstance(prompt, str) or not prompt.strip():
         raise DatasetError(f"{where}: field {cfg.prompt_field!r} must be a non-empty string")
     meta = {k: v for k, v in record.items() if k not in (cfg.prompt_field, cfg.answer_field)}
+    for name, text in ((cfg.prompt_field, prompt), (cfg.answer_field, str(record[cfg.answer_field]))):
+        try:  # JSON may escape a lone surrogate (\ud800); the tokenizer would fail on it deep inside, mid-run
+            text.encode("utf-8")
+        except UnicodeEncodeError as err:
+            raise DatasetError(f"{where}: field {name!r} is not valid Unicode ({err.reason} at character "
+                               f"{err.start})") from None
     return Example(prompt=prompt, answer=str(record[cfg.answer_field]), meta=meta)
 
 
@@ -38,15 +44,21 @@ def read_jsonl(path: str | Path, cfg: TaskConfig) -> list[Example]:
     if not path.is_file():
         raise FileNotFoundError(f"task data file {path.resolve()} does not exist")
     examples = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, start=1):
+    with path.open("rb") as f:  # decoded per line so an encoding error names its line (BOM allowed)
+        for lineno, raw in enumerate(f, start=1):
+            where = f"{path}:{lineno}"
+            try:
+                line = raw.decode("utf-8-sig" if lineno == 1 else "utf-8")
+            except UnicodeDecodeError as err:
+                raise DatasetError(f"{where}: not UTF-8 text ({err.reason} at byte {err.start + 1})") from None
             if not line.strip():
                 continue
-            where = f"{path}:{lineno}"
             try:
                 record = json.loads(line)
             except json.JSONDecodeError as err:
                 raise DatasetError(f"{where}: invalid JSON ({err.msg} at column {err.colno})") from err
+            except (RecursionError, ValueError) as err:  # nesting too deep; integer over Python's digit limit
+                raise DatasetError(f"{where}: unreadable JSON ({type(err).__name__}: {err})") from None
             examples.append(_record_to_example(record, cfg, where))
     if not examples:
         raise DatasetError(f"{path}: the dataset is empty (no JSON lines)")

@@ -58,8 +58,10 @@ def run(args: argparse.Namespace) -> int:
 
 def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
     """Prepare the run, train, print where results went. Exit codes: 0 ok, 2 bad input, 3 diverged,
-    130 interrupted."""
+    4 checkpoint write failed (e.g. disk full), 130 interrupted."""
     from covrl.models import ModelNotFoundError
+    from covrl.tasks import PromptTooLongError, RewardFunctionError
+    from covrl.train.checkpoint import CheckpointError
     from covrl.train.trainer import TrainingDivergedError
 
     if cfg.loop.mode == "ray":   # the trainer side may run in a Ray actor: the backend drives the whole run
@@ -81,6 +83,9 @@ def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
     except TrainingDivergedError as err:
         _print_err(str(err))
         return 3
+    except (PromptTooLongError, RewardFunctionError, CheckpointError) as err:  # met mid-run: no traceback
+        _print_err(f"{err}\nstopped; fix the cause, then: covrl train --resume --name {run_state.run_dir.name}")
+        return 4 if isinstance(err, CheckpointError) else 2
     except KeyboardInterrupt:
         _print_err(f"interrupted; resume with: covrl train --resume --name {run_state.run_dir.name}")
         return 130
