@@ -146,15 +146,21 @@ def save_checkpoint(run_dir: Path, name: str, *, model, state: dict[str, Any], t
     if tmp.exists():
         shutil.rmtree(tmp)
     tmp.mkdir()
-    save_model(model, tmp / MODEL_DIR, tokenizer)
-    fault_point("checkpoint-write")  # reliability tests: COVRL_FAULT (no-op otherwise)
-    if with_state:
-        torch.save(state, tmp / STATE_FILE)
-    marker = {"name": name, "time": time.time(), **(info or {})}
-    with open(tmp / COMPLETE, "w") as f:
-        json.dump(marker, f)
-        f.flush()
-        os.fsync(f.fileno())
+    try:
+        save_model(model, tmp / MODEL_DIR, tokenizer)
+        fault_point("checkpoint-write")  # reliability tests: COVRL_FAULT (no-op otherwise)
+        if with_state:
+            torch.save(state, tmp / STATE_FILE)
+        marker = {"name": name, "time": time.time(), **(info or {})}
+        with open(tmp / COMPLETE, "w") as f:
+            json.dump(marker, f)
+            f.flush()
+            os.fsync(f.fileno())
+    except OSError as err:  # e.g. a full disk: drop the partial folder (frees space), name what is still usable
+        shutil.rmtree(tmp, ignore_errors=True)
+        previous = latest_checkpoint(run_dir)
+        raise CheckpointError(f"writing checkpoint {final} failed: {err}; the last complete checkpoint "
+                              f"{previous or '(none)'} is intact") from err
     fault_point("checkpoint-commit")  # reliability tests: COVRL_FAULT (no-op otherwise)
     if final.exists():  # re-saving the same data clock (e.g. end of a resumed run): swap atomically
         old = root / f".old-{name}-{os.getpid()}"
@@ -190,4 +196,8 @@ def clean_temporary(run_dir: Path) -> None:
     if root.is_dir():
         for p in root.iterdir():
             if p.name.startswith((".tmp-", ".old-")):
+                final = root / p.name[len(".old-"):].rsplit("-", 1)[0]
+                if p.name.startswith(".old-") and not final.exists() and is_complete(p):
+                    os.replace(p, final)  # killed between the two renames of a re-save: the old one is the copy
+                    continue
                 shutil.rmtree(p, ignore_errors=True)

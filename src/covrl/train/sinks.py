@@ -56,9 +56,12 @@ def read_jsonl(path: Path) -> list[dict[str, Any]]:
 
 def truncate_jsonl(path: Path, keep: int) -> None:
     """Keep the first `keep` records (resume: steps after the checkpoint are re-run and re-logged)."""
-    records = read_jsonl(path)
-    if len(records) > keep:
-        Path(path).write_text("".join(json.dumps(r) + "\n" for r in records[:keep]))
+    path = Path(path)
+    # raw lines, not parsed records: a torn last line (disk full, power loss) after the checkpoint's lines
+    # used to make the resume fail with a bare JSONDecodeError
+    lines = path.read_text().splitlines(keepends=True) if path.is_file() else []
+    if len(lines) > keep or (lines and not lines[-1].endswith("\n")):
+        path.write_text("".join(line if line.endswith("\n") else line + "\n" for line in lines[:keep]))
 
 
 # key metric -> (label, format) shown on the console

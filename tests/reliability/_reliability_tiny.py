@@ -1,0 +1,56 @@
+"""Shared helpers of the reliability tests: a very short tiny run (in-process or as a `covrl train`
+subprocess) and readers for its run folder."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parents[2]
+TINY = REPO / "configs" / "tiny.yaml"
+REWARDS = Path(__file__).resolve().parent / "_hostile_rewards.py"
+
+
+def tiny_overrides(out: Path, name: str, *extra: str, steps: int = 4, every: int = 16) -> list[str]:
+    """A tiny run: 4 prompts x 4 samples = 16 rollouts per step, a checkpoint every `every` rollouts, a dense
+    user reward (digit fraction) so every step has non-zero advantages, a 2-step SFT warm-up."""
+    return [f"run.output_dir={out}", f"run.name={name}", f"loop.steps={steps}", "loop.prompts_per_step=4",
+            "loop.group_size=4", "sft_warmup.steps=2", "eval.before=false", "eval.after=false",
+            "logging.curves=false", "logging.progress_bar=false", "task.n_train=64", "task.n_eval=8",
+            f"checkpoint.every_rollouts={every}", "checkpoint.keep_last=2", "optim.micro_batch_size=8",
+            f"task.reward_fn={REWARDS}:digit_fraction", *extra]
+
+
+def cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
+    """`covrl train ...` in a fresh interpreter (one torch thread)."""
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
+                **(env or {})}
+    for key in ("COVRL_FAULT", "COVRL_FAULT_TRACE"):
+        if env is None or key not in env:
+            full_env.pop(key, None)
+    return subprocess.run([sys.executable, "-m", "covrl", "train", "--config", str(TINY), *args],
+                          env=full_env, capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
+
+
+def metrics(run_dir: Path) -> list[dict]:
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.is_file() else []
+
+
+def final_weights(run_dir: Path) -> dict:
+    from safetensors.torch import load_file
+
+    from covrl.train import checkpoint as ckpt
+
+    latest = ckpt.latest_checkpoint(Path(run_dir))
+    assert latest is not None, f"{run_dir} has no complete checkpoint"
+    return load_file(str(latest / "model" / "model.safetensors"))
+
+
+# per-step keys that depend only on the data and the weights (not on wall time)
+def comparable(record: dict) -> dict:
+    return {k: v for k, v in record.items()
+            if not (k.startswith("time/") or k.endswith("per_s") or k in ("skip_reason",))}
