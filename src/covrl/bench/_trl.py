@@ -556,7 +556,7 @@ def run_alternating(settings: StepSettings | dict[str, StepSettings], sides: tup
             if proc.is_alive():
                 proc.terminate()
     return {"ready": ready, "records": records, "all_records": all_records,
-            "summary": {s: summarize(r) for s, r in records.items()}, "load1": loads}
+            "summary": {s: summarize(r, per_side[s].batch_size) for s, r in records.items()}, "load1": loads}
 
 
 def _recv(conn, side: str, timeout_s: float, proc=None) -> dict:
@@ -573,21 +573,25 @@ def _recv(conn, side: str, timeout_s: float, proc=None) -> dict:
     return msg
 
 
-def summarize(records: list[dict]) -> dict[str, float]:
-    """Median step time; tokens/s as total tokens over total time (robust to uneven steps)."""
+def summarize(records: list[dict], rollouts_per_step: int | None = None) -> dict[str, float]:
+    """Median step time and rollouts/s; tokens/s as total tokens over total time (robust to uneven steps):
+    generated tokens over generation time, trained tokens over the rest of the step (reward, forward,
+    backward, optimizer, weight sync), and generated tokens over the whole step (end to end)."""
     if not records:
         return {}
     total_time = sum(r["step_time"] for r in records)
     gen_time = sum(r.get("gen_time", 0.0) for r in records)
     gen_tokens = sum(r["gen_tokens"] for r in records)
     trained = sum(r["trained_tokens"] for r in records)
+    median_step = statistics.median(r["step_time"] for r in records)
     return {
         "steps": len(records),
-        "median_step_s": statistics.median(r["step_time"] for r in records),
+        "median_step_s": median_step,
         "median_gen_s": statistics.median(r.get("gen_time", 0.0) for r in records),
+        "rollouts_per_s": (rollouts_per_step / median_step) if rollouts_per_step else float("nan"),
         "gen_tokens_per_step": gen_tokens / len(records),
         "gen_tokens_per_s": gen_tokens / gen_time if gen_time > 0 else float("nan"),
-        "trained_tokens_per_s": trained / total_time,
+        "trained_tokens_per_s": trained / (total_time - gen_time) if total_time > gen_time else float("nan"),
         "step_tokens_per_s": gen_tokens / total_time,
         "peak_rss_mb": max(r["rss_peak_mb"] for r in records),
         "reward_mean": statistics.fmean(r.get("reward_mean", float("nan")) for r in records),

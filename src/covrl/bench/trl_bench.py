@@ -5,8 +5,10 @@ Both sides: the same model folder, the same prompts (covrl's arithmetic task, `n
 task's reward, group-normalised advantages (GRPO), the clipped ratio loss averaged over all completion tokens,
 AdamW at a constant lr, grad-norm clipping, one optimizer step per rollout batch, fp32, `threads` torch threads.
 Each side runs in its own process; steps alternate (order flipped every step) so load on a shared machine
-hits both alike. Reported per side: median step time, generated tokens/s (over generation time), trained
-tokens/s (completion tokens over the whole step), peak RSS; and covrl/TRL ratios.
+hits both alike. Reported per side: median step time and generation time, rollouts/s, generated tokens/s
+(over generation time), trained tokens/s (completion tokens over the rest of the step), end-to-end tokens/s,
+peak RSS; and covrl/TRL ratios. Both sides do the same rollouts per step, so the throughput ratio is the
+ratio of median step times; tokens/s also depend on how long the sampled completions happen to be.
 
 Before timing, `--check-loss` (on by default) verifies the per-step math agrees: on one shared batch, TRL's
 own `compute_loss` and covrl's `compute_advantages('grpo')` + `policy_loss('ppo_clip')` give the loss and the
@@ -69,8 +71,9 @@ def run(args: argparse.Namespace) -> int:
     if "covrl" in summary and "trl" in summary:
         c, t = summary["covrl"], summary["trl"]
         ratios = {
-            "step_time_trl_over_covrl": t["median_step_s"] / c["median_step_s"],
-            "throughput_covrl_over_trl": c["step_tokens_per_s"] / t["step_tokens_per_s"],
+            # equal rollouts per step, so rollouts/s is the throughput at equal settings
+            "throughput_covrl_over_trl": t["median_step_s"] / c["median_step_s"],
+            "end_to_end_tokens_per_s_covrl_over_trl": c["step_tokens_per_s"] / t["step_tokens_per_s"],
             "gen_tokens_per_s_covrl_over_trl": c["gen_tokens_per_s"] / t["gen_tokens_per_s"],
             "trained_tokens_per_s_covrl_over_trl": c["trained_tokens_per_s"] / t["trained_tokens_per_s"],
             "peak_rss_covrl_over_trl": c["peak_rss_mb"] / t["peak_rss_mb"],
@@ -78,19 +81,21 @@ def run(args: argparse.Namespace) -> int:
     results = {"settings": vars(settings) | {"batch_size": settings.batch_size}, "sides": sides,
                "load_before": load_before, "load_after": os.getloadavg(), "agreement": agreement,
                "ratios": ratios, **timing}
-    rows = ["| side | median step s | gen tok/s | trained tok/s | end-to-end tok/s | gen tokens/step | "
-            "peak RSS MiB | mean reward | load |", "|---|---|---|---|---|---|---|---|---|"]
+    rows = ["| side | median step s | median gen s | rollouts/s | gen tok/s | trained tok/s | end-to-end tok/s | gen tokens/step | "
+            "peak RSS MiB | mean reward | load |", "|---|---|---|---|---|---|---|---|---|---|---|"]
     for side, s in summary.items():
-        rows.append(f"| {side} | {s['median_step_s']:.3f} | {s['gen_tokens_per_s']:.1f} | "
+        rows.append(f"| {side} | {s['median_step_s']:.3f} | {s['median_gen_s']:.3f} | {s['rollouts_per_s']:.2f} | {s['gen_tokens_per_s']:.1f} | "
                     f"{s['trained_tokens_per_s']:.1f} | {s['step_tokens_per_s']:.1f} | "
                     f"{s['gen_tokens_per_step']:.0f} | {s['peak_rss_mb']:.0f} | {s['reward_mean']:.3f} | "
                     f"{s['mean_load1']:.1f} |")
     table = "\n".join(rows)
     if ratios:
-        table += (f"\n\ncovrl/TRL end-to-end throughput: **{ratios['throughput_covrl_over_trl']:.2f}x** "
-                  f"(median step time TRL/covrl {ratios['step_time_trl_over_covrl']:.2f}x; generation "
-                  f"{ratios['gen_tokens_per_s_covrl_over_trl']:.2f}x; peak RSS covrl/TRL "
-                  f"{ratios['peak_rss_covrl_over_trl']:.2f}).")
+        table += (f"\n\ncovrl/TRL throughput (rollouts/s = TRL/covrl median step time): "
+                  f"**{ratios['throughput_covrl_over_trl']:.2f}x**; generated tokens/s "
+                  f"{ratios['gen_tokens_per_s_covrl_over_trl']:.2f}x; trained tokens/s "
+                  f"{ratios['trained_tokens_per_s_covrl_over_trl']:.2f}x; end-to-end tokens/s "
+                  f"{ratios['end_to_end_tokens_per_s_covrl_over_trl']:.2f}x; peak RSS covrl/TRL "
+                  f"{ratios['peak_rss_covrl_over_trl']:.2f}.")
     if agreement:
         table += (f"\nLoss agreement on a shared batch: |loss diff| {agreement['loss_abs_diff']:.2e} "
                   f"(TRL {agreement['trl_loss']:.6f}, covrl {agreement['covrl_loss']:.6f}); grad rel. diff "
