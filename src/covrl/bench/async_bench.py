@@ -1,0 +1,168 @@
+"""`covrl bench async`: rollouts per second of the async loops (local sampler thread, Ray sampler actor) against
+the sync loop, on the same model, task, batch and number of steps, in one process, with staleness statistics.
+
+Each mode trains from the same initial weights for the same number of steps; the clock runs over the training
+loop only (model loading, Ray start-up and actor start are excluded). Reported per mode: rollouts/s, the ratio to
+sync, staleness mean/max, sampler and trainer idle fractions, and the time split of the sync loop. The ideal
+overlap ratio of a two-stage pipeline, (t_generate + t_train) / max(t_generate, t_train), computed from the sync
+run's own split, is the upper bound the async loop can reach when generation and training each get a core.
+
+On a small CPU machine the ratio is limited by (1) cores: sampler and trainer share the machine's cores with
+everything else, and torch ops of the two threads compete for them; (2) the GIL: the sampler's decode loop is
+Python code between small torch ops, so with a tiny model the two threads mostly take turns; (3) weight sync:
+each step clones the weights for the sampler. Larger models spend more time inside torch kernels (GIL released)
+and overlap better; Ray actors avoid the GIL entirely but pay process start-up and object-store copies.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import time
+from pathlib import Path
+
+
+def configure(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
+    parser.add_argument("--steps", type=int, default=12, help="optimizer steps per mode")
+    parser.add_argument("--prompts-per-step", type=int, default=8)
+    parser.add_argument("--group-size", type=int, default=8)
+    parser.add_argument("--max-new-tokens", type=int, default=8)
+    parser.add_argument("--staleness", type=int, default=1, help="async staleness bound in steps")
+    parser.add_argument("--chunk-prompts", type=int, default=None, help="prompts per generate call (async)")
+    parser.add_argument("--modes", default="sync,async,ray", help="comma-separated subset of sync,async,ray")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
+    parser.add_argument("--sft-steps", type=int, default=20, help="supervised warm-up (tiny model) so rewards vary")
+    parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, no Ray: seconds, for tests")
+
+
+def _config(args, mode: str, run_root: Path):
+    from covrl.config import load_config
+
+    over = {
+        "run.output_dir": str(run_root), "run.name": f"bench-{mode}", "run.num_threads": args.threads,
+        "loop.mode": mode, "loop.steps": args.steps, "loop.prompts_per_step": args.prompts_per_step,
+        "loop.group_size": args.group_size, "sampler.max_new_tokens": args.max_new_tokens,
+        "sampler.max_batch": args.prompts_per_step * args.group_size, "sampler.share_weights": "never",
+        "eval.before": False, "eval.after": False, "checkpoint.at_end": False, "logging.console": False,
+        "logging.curves": False, "logging.diagnostics": True,
+        "async_loop.max_staleness_steps": args.staleness, "async_loop.trainer_actor": False,
+        "async_loop.sampler_cpus": 1, "async_loop.sampler_threads": args.threads,
+    }
+    if args.chunk_prompts:
+        over["async_loop.chunk_prompts"] = args.chunk_prompts
+    if args.model == "tiny":
+        over.update({"model.source": "tiny", "model.tiny.hidden_size": 128, "model.tiny.num_layers": 4,
+                     "model.tiny.max_positions": 64, "task.chat_template": False, "sft_warmup.steps": args.sft_steps,
+                     "optim.lr": 1e-3, "optim.micro_batch_size": 64})
+    else:
+        over.update({"model.source": "smollm2", "optim.lr": 2e-5, "optim.micro_batch_size": 16})
+    return load_config(None, [f"{k}={v}" for k, v in over.items()])
+
+
+def _measure(mode: str, cfg, records_key: str = "metrics.jsonl") -> dict:
+    """Train `cfg` in `mode`; returns rollouts/s over the loop and the staleness/idle statistics."""
+    from covrl.train.async_loop import prepare_async_run, train_async
+    from covrl.train.loop import train_sync
+    from covrl.train.run import prepare_run
+    from covrl.train.sinks import read_jsonl
+
+    out: dict = {"mode": mode}
+    if mode == "sync":
+        run = prepare_run(cfg, console=False)
+        t0 = time.perf_counter()
+        summary = train_sync(run)
+        wall = time.perf_counter() - t0
+        run.close()
+    elif mode == "async":
+        run = prepare_async_run(cfg, console=False)
+        t0 = time.perf_counter()
+        summary = train_async(run)
+        wall = time.perf_counter() - t0
+        run.close()
+    else:
+        from covrl.train.ray_backend import ensure_ray, start_sampler_actors, train_ray
+
+        os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+        started = ensure_ray(cfg.async_loop)
+        try:
+            actors = start_sampler_actors(cfg)
+            run = prepare_async_run(cfg, console=False)
+            t0 = time.perf_counter()
+            summary = train_ray(run, actors=actors)
+            wall = time.perf_counter() - t0
+            run.close()
+        finally:
+            if started:
+                import ray
+
+                ray.shutdown()
+    records = read_jsonl(run.run_dir / records_key)
+    rollouts = sum(int(r.get("batch_rows", 0)) for r in records)
+    out.update({"steps": len(records), "rollouts": rollouts, "loop_s": wall, "rollouts_per_s": rollouts / wall,
+                "load1": os.getloadavg()[0]})
+    if mode == "sync":
+        out["generate_s"] = sum(r.get("time/generate", 0.0) + r.get("time/score", 0.0) for r in records)
+        out["train_s"] = sum(r.get("time/trainer_step", 0.0) for r in records)
+        out["sync_s"] = sum(r.get("time/sync", 0.0) for r in records)
+    else:
+        a = summary["async"]
+        out.update({"staleness_mean": sum(r["async/staleness_mean"] for r in records) / max(1, len(records)),
+                    "staleness_max": max((r["async/staleness_max"] for r in records), default=0.0),
+                    "sampler_idle_frac": a["sampler_idle_frac"], "trainer_idle_frac": a["trainer_idle_frac"],
+                    "kl_seq_mean": sum(r.get("kl_seq", 0.0) for r in records) / max(1, len(records))})
+    return out
+
+
+def run(args: argparse.Namespace) -> int:
+    import tempfile
+
+    import torch
+
+    from covrl.bench.common import write_bench
+
+    if args.quick:
+        args.model, args.steps, args.prompts_per_step, args.group_size = "tiny", 3, 4, 4
+        args.max_new_tokens, args.sft_steps = 4, 5
+        args.modes = ",".join(m for m in args.modes.split(",") if m != "ray")
+    torch.set_num_threads(args.threads)
+    modes = [m.strip() for m in args.modes.split(",") if m.strip()]
+    unknown = [m for m in modes if m not in ("sync", "async", "ray")]
+    if unknown:
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from sync, async, ray")
+    if "ray" in modes:
+        try:
+            import ray  # noqa: F401
+        except ImportError:
+            print("ray is not installed (pip install 'covrl[ray]'): skipping the ray mode")
+            modes.remove("ray")
+    results: dict = {"settings": vars(args).copy(), "cpu_count": os.cpu_count(), "modes": {}}
+    with tempfile.TemporaryDirectory(prefix="covrl-bench-async-") as tmp:
+        for mode in modes:
+            results["modes"][mode] = _measure(mode, _config(args, mode, Path(tmp)))
+    sync = results["modes"].get("sync")
+    if sync:
+        gen, train = sync["generate_s"], sync["train_s"]
+        results["ideal_overlap_ratio"] = (gen + train) / max(gen, train, 1e-9)
+        results["sync_generate_fraction"] = gen / max(gen + train, 1e-9)
+    lines = ["| mode | rollouts/s | vs sync | staleness mean / max | sampler idle | trainer idle | loop s |",
+             "|---|---|---|---|---|---|---|"]
+    for mode, r in results["modes"].items():
+        ratio = r["rollouts_per_s"] / sync["rollouts_per_s"] if sync else float("nan")
+        r["ratio_to_sync"] = ratio
+        st = "-" if mode == "sync" else f"{r['staleness_mean']:.2f} / {r['staleness_max']:.0f}"
+        idle_s = "-" if mode == "sync" else f"{r['sampler_idle_frac']:.0%}"
+        idle_t = "-" if mode == "sync" else f"{r['trainer_idle_frac']:.0%}"
+        lines.append(f"| {mode} | {r['rollouts_per_s']:.1f} | {ratio:.2f}x | {st} | {idle_s} | {idle_t} | "
+                     f"{r['loop_s']:.1f} |")
+    note = ""
+    if sync:
+        note = (f"\n\nSync time split: generate+score {sync['generate_s']:.1f} s, train {sync['train_s']:.1f} s "
+                f"({results['sync_generate_fraction']:.0%} generation): a perfect two-stage overlap would give "
+                f"{results['ideal_overlap_ratio']:.2f}x. Machine: {os.cpu_count()} CPUs, load average "
+                f"{os.getloadavg()[0]:.1f}; model {args.model}, B = {args.prompts_per_step * args.group_size} "
+                f"rollouts/step, {args.steps} steps, staleness bound {args.staleness}.")
+    name = "async" + ("-quick" if args.quick else f"-{args.model}")
+    write_bench(name, results, "\n".join(lines) + note, Path(args.out))
+    return 0

@@ -1,0 +1,464 @@
+"""Reproduction `covrl repro async-gap` (seed ¶7, RESEARCH.md §9): asynchronous RL on a data clock.
+
+Claim: model the sampler–trainer gap as an engine floor plus staleness, count time in rollouts, and two settings
+keep the gap fixed as the batch B grows: the step size follows the optimizer (SGD lr ∝ B, Adam lr ∝ √B) and the
+queue is sized in rollouts (fixed Q, so the lag in steps Q/B shrinks as B grows).
+
+Sections
+1. Toy with an exact gap (no trainer needed). Policy: T independent softmax positions over V tokens (logits θ),
+   outcome reward R ~ Bernoulli(sigmoid(Σ_t w_t[y_t])), leave-one-out baseline, REINFORCE gradient on rollouts
+   drawn by the sampler θ_{k−L} while the trainer is at θ_k (L = Q/B steps of lag, or a fixed L in steps).
+   The gap is exact: KL_seq(π_{θ_{k−L}} ‖ π_{θ_k}) = Σ_t KL of the two softmaxes, averaged over a window of the
+   data clock and over independent seeds. Rules: SGD + linear lr, Adam + √ lr (both should stay within ±25% at
+   4× and 16× B), Adam + linear lr and Adam + √ lr with the lag fixed in steps (both should grow).
+2. Tiny transformer (covrl's Trainer, HF sampler, arithmetic task, AdamW) in the deterministic async schedule
+   (`async_loop.emulate`: the sampler fills the queue up to the bound before each step, so every rollout lags
+   by exactly ⌈Q/B⌉ steps). Gap = the trainer's kl_seq (mean_b Σ_t k3) averaged over the second half of the
+   run, at B = B0, 4·B0, 16·B0 with the same rules as the toy.
+3. Floor + staleness: a bf16 sampler against the fp32 trainer. The floor is probed directly (an fp32 forward at
+   the sampler's own weights on freshly generated chunks); the gap measured by the trainer at staleness 0 should
+   equal it, and the gap should grow with the queue Q.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import statistics
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CLAIM = ("The sampler–trainer gap is an engine floor plus staleness; on a data clock, a step size that follows "
+         "the optimizer (SGD ∝ B, Adam ∝ √B) and a queue sized in rollouts keep the gap fixed as the batch grows.")
+
+TOLERANCE = 0.25          # the ±25% band of the claim
+
+
+# ----------------------------------------------------------------------------------------------- toy model
+
+@dataclass
+class ToySettings:
+    base_batch: int
+    batches: tuple[int, ...]
+    queue: int                  # Q in rollouts
+    fixed_lag_steps: int        # the "lag in steps" variant
+    rollouts: int               # data clock length of every run
+    seeds: int
+    positions: int = 4
+    vocab: int = 6
+    reward_scale: float = 0.1
+    sgd_lr: float = 0.03
+    adam_lr: float = 0.003
+    window: tuple[float, float] = (0.25, 1.0)
+
+
+TOY_FAST = ToySettings(base_batch=4, batches=(4, 16, 64), queue=2048, fixed_lag_steps=8, rollouts=8192, seeds=16)
+TOY_FULL = ToySettings(base_batch=8, batches=(8, 32, 128), queue=4096, fixed_lag_steps=8, rollouts=65536,
+                       seeds=32, sgd_lr=0.05)
+
+# rule name -> (optimizer, lr rule, lag sized in rollouts?)
+TOY_RULES: dict[str, tuple[str, str, bool]] = {
+    "sgd_linear": ("sgd", "linear", True),
+    "adam_sqrt": ("adam", "sqrt", True),
+    "adam_linear": ("adam", "linear", True),
+    "adam_sqrt_lag_in_steps": ("adam", "sqrt", False),
+}
+KEEPS_GAP = ("sgd_linear", "adam_sqrt")
+
+
+def toy_gap(optimizer: str, rule: str, batch: int, s: ToySettings, *, lag_in_rollouts: bool = True,
+            seed: int = 0, beta1: float = 0.9) -> dict[str, float]:
+    """Mean exact gap KL_seq(sampler ‖ trainer) over the data-clock window, for one (optimizer, rule, batch).
+
+    Per step k (B rollouts): the sampler is θ_{k−L} (θ_0 before step L); rollouts y ~ π_{θ_{k−L}};
+    A_b = B/(B−1)·(R_b − mean R) (leave-one-out); g = mean_b A_b·∇_θ log π_θk(y_b) = mean_b A_b (e_{y_b} − π_θk);
+    ascent with SGD (θ += lr·g) or Adam (β = beta1, 0.999, ε = 1e-8); lr = lr_for_batch(base_lr, B0, B, rule).
+    L = Q/B (lag_in_rollouts) or fixed_lag_steps. Returns gap (mean over window and seeds), its standard error
+    over seeds, and the mean parameter drift ‖θ_k − θ_{k−L}‖."""
+    import torch
+
+    from covrl.train.batch_scaling import lr_for_batch
+
+    g = torch.Generator().manual_seed(10_000 + seed)
+    S, T, V = s.seeds, s.positions, s.vocab
+    w = torch.randn(S, T, V, generator=g) * s.reward_scale           # reward logit of each token
+    theta = torch.zeros(S, T, V)
+    base_lr = s.sgd_lr if optimizer == "sgd" else s.adam_lr
+    lr = lr_for_batch(base_lr, s.base_batch, batch, optimizer, rule=rule)
+    lag = s.queue // batch if lag_in_rollouts else s.fixed_lag_steps
+    steps = s.rollouts // batch
+    history = [theta.clone()]
+    m = torch.zeros_like(theta)
+    v = torch.zeros_like(theta)
+    gaps, drifts = [], []
+    lo, hi = s.window[0] * s.rollouts, s.window[1] * s.rollouts
+    for k in range(steps):
+        stale = history[0]
+        q = torch.softmax(stale, -1)
+        y = torch.multinomial(q.reshape(S * T, V), batch, replacement=True, generator=g).reshape(S, T, batch)
+        score = torch.gather(w, 2, y).sum(1)                          # [S, B]
+        reward = torch.bernoulli(torch.sigmoid(score), generator=g)
+        adv = (reward - reward.mean(1, keepdim=True)) * batch / (batch - 1)
+        if lo <= k * batch < hi:
+            log_p, log_q = torch.log_softmax(theta, -1), torch.log_softmax(stale, -1)
+            gaps.append((q * (log_q - log_p)).sum((-1, -2)))
+            drifts.append((theta - stale).flatten(1).norm(dim=1))
+        p = torch.softmax(theta, -1)
+        grad = torch.zeros(S, T, V).scatter_add_(2, y, adv[:, None, :].expand(S, T, batch)) / batch
+        grad = grad - adv.mean(1)[:, None, None] * p
+        if optimizer == "sgd":
+            theta = theta + lr * grad
+        else:
+            m = beta1 * m + (1 - beta1) * grad
+            v = 0.999 * v + 0.001 * grad * grad
+            m_hat, v_hat = m / (1 - beta1 ** (k + 1)), v / (1 - 0.999 ** (k + 1))
+            theta = theta + lr * m_hat / (v_hat.sqrt() + 1e-8)
+        history.append(theta.clone())
+        if len(history) > lag + 1:
+            history.pop(0)
+    per_seed = torch.stack(gaps).mean(0)
+    return {"gap": float(per_seed.mean()), "gap_se": float(per_seed.std() / math.sqrt(S)),
+            "drift": float(torch.stack(drifts).mean()), "lr": lr, "lag_steps": lag, "steps": steps}
+
+
+def toy_section(s: ToySettings, seed: int) -> dict[str, dict[int, dict[str, float]]]:
+    """gap per rule per batch (runs with the same optimizer, lr, batch and lag are shared)."""
+    from covrl.train.batch_scaling import lr_for_batch
+
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    cache: dict[tuple, dict[str, float]] = {}
+    for name, (opt, rule, in_rollouts) in TOY_RULES.items():
+        out[name] = {}
+        for b in s.batches:
+            lr = lr_for_batch(s.sgd_lr if opt == "sgd" else s.adam_lr, s.base_batch, b, opt, rule=rule)
+            lag = s.queue // b if in_rollouts else s.fixed_lag_steps
+            key = (opt, round(lr, 12), b, lag)
+            if key not in cache:
+                cache[key] = toy_gap(opt, rule, b, s, lag_in_rollouts=in_rollouts, seed=seed)
+            out[name][b] = cache[key]
+    return out
+
+
+# -------------------------------------------------------------------------------------- tiny transformer
+
+@dataclass
+class TinySettings:
+    base_prompts: int               # prompts per step at B0 (group size fixed)
+    group_size: int
+    scales: tuple[int, ...]         # B = scale x B0
+    queue: int                      # Q in rollouts (sections 2 and 3)
+    fixed_lag_steps: int
+    rollouts: int                   # data clock length of each run
+    base_lr: float                  # AdamW lr at B0
+    floor_queues_steps: tuple[int, ...]   # section 3: Q in units of B
+    floor_rollouts: int
+    floor_lr: float
+    floor_prompts: int
+    hidden: int = 64
+    layers: int = 2
+    sft_steps: int = 60
+    rules: tuple[str, ...] = ("adam_sqrt", "adam_linear", "adam_sqrt_lag_in_steps")
+    seeds: int = 1
+    beta1: float = 0.9              # AdamW's default momentum
+
+
+TINY_FAST = TinySettings(base_prompts=1, group_size=8, scales=(1, 4), queue=64, fixed_lag_steps=4, rollouts=256,
+                         base_lr=2e-4, floor_queues_steps=(0, 2), floor_rollouts=192, floor_lr=2e-3,
+                         floor_prompts=4, hidden=32, layers=1, sft_steps=30, rules=("adam_sqrt",))
+TINY_FULL = TinySettings(base_prompts=1, group_size=8, scales=(1, 4, 16), queue=1024, fixed_lag_steps=8,
+                         rollouts=4096, base_lr=1e-5, floor_queues_steps=(0, 1, 2, 4), floor_rollouts=1536,
+                         floor_lr=1e-3, floor_prompts=4, seeds=2)
+
+
+@dataclass
+class TinyBase:
+    """A tiny Llama after a short supervised warm-up (so that rewards are not all zero), shared by all runs."""
+
+    cfg: Any
+    model: Any
+    tokenizer: Any
+    task: Any
+    runs_dir: Path
+    records: dict = field(default_factory=dict)
+
+
+def tiny_base(out_dir: Path, t: TinySettings, seed: int) -> TinyBase:
+    import torch
+
+    from covrl.config import load_config
+    from covrl.models import load_model
+    from covrl.tasks import build_task
+    from covrl.train.sft import sft_warmup
+
+    overrides = {
+        "run.seed": seed, "run.num_threads": 1, "model.source": "tiny", "model.tiny.hidden_size": t.hidden,
+        "model.tiny.num_layers": t.layers, "model.tiny.num_heads": 4, "model.tiny.intermediate_size": 2 * t.hidden,
+        "model.tiny.max_positions": 64, "task.name": "arithmetic", "task.chat_template": False,
+        "task.n_train": 1000, "task.n_eval": 8, "sampler.max_new_tokens": 4, "sampler.max_batch": 128,
+        "sft_warmup.steps": t.sft_steps, "sft_warmup.lr": 3e-3, "sft_warmup.batch_size": 64,
+        "optim.micro_batch_size": 128, "eval.before": False, "eval.after": False, "logging.console": False,
+        "logging.curves": False, "checkpoint.at_end": False, "loop.group_size": t.group_size,
+        "algorithm.advantage": "grpo", "algorithm.loss": "covariance", "optim.max_grad_norm": None,
+    }
+    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    torch.manual_seed(seed)
+    model, tokenizer = load_model(cfg.model, seed=seed)
+    task = build_task(cfg.task)
+    sft_warmup(model, tokenizer, task, cfg.sft_warmup, seed=seed, micro_batch_size=256, log=None)
+    return TinyBase(cfg=cfg, model=model, tokenizer=tokenizer, task=task, runs_dir=out_dir / "runs")
+
+
+def tiny_run(base: TinyBase, name: str, *, prompts: int, queue: int, lr: float, rollouts: int,
+             sampler_dtype: str | None = None, probe_every: int = 0, seed: int = 0,
+             beta1: float = 0.9) -> tuple[list[dict], dict]:
+    """One deterministic async run (serial emulation) from the shared warm-started weights; returns the
+    per-step records and the summary."""
+    import torch
+
+    from covrl.train.async_config import AsyncLoopConfig
+    from covrl.train.async_loop import build_async_sampler, train_async
+    from covrl.train.data import DataStream
+    from covrl.train.run import Run, seed_everything
+    from covrl.train.sinks import JsonlSink, read_jsonl
+    from covrl.train.trainer import Trainer
+
+    B = prompts * base.cfg.loop.group_size
+    steps = max(1, rollouts // B)
+    cfg = base.cfg.model_copy(deep=True)
+    cfg.loop.prompts_per_step = prompts
+    cfg.loop.steps = steps
+    cfg.optim.lr = lr
+    cfg.optim.betas = (beta1, 0.999)
+    cfg.sampler.dtype = sampler_dtype
+    cfg.async_loop = AsyncLoopConfig(max_staleness_rollouts=queue, emulate=True, floor_probe_every=probe_every)
+    cfg.run.name = name
+    seed_everything(seed)
+    model = copy.deepcopy(base.model)
+    run_dir = base.runs_dir / name
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "metrics.jsonl").unlink(missing_ok=True)
+    sampler = build_async_sampler(cfg.sampler, model, base.tokenizer)
+    run = Run(cfg=cfg, run_dir=run_dir, model=model, tokenizer=base.tokenizer, task=base.task, sampler=sampler,
+              trainer=Trainer(model, cfg), stream=DataStream(base.task.train, seed=seed),
+              generator=torch.Generator().manual_seed(seed))
+    run.sinks = [JsonlSink(run_dir / "metrics.jsonl")]
+    try:
+        summary = train_async(run)
+    finally:
+        run.close()
+    return read_jsonl(run_dir / "metrics.jsonl"), summary
+
+
+def _second_half_mean(records: list[dict], key: str) -> float:
+    vals = [r[key] for r in records[len(records) // 2:] if isinstance(r.get(key), (int, float))]
+    return float(statistics.fmean(vals)) if vals else float("nan")
+
+
+def tiny_scaling_section(base: TinyBase, t: TinySettings, seed: int) -> dict[str, dict[int, dict[str, float]]]:
+    """Gap (trainer kl_seq over the second half of each run, averaged over `t.seeds` runs with different
+    sampling/data seeds from the same warm start) per rule per batch B = scale·B0."""
+    from covrl.train.batch_scaling import lr_for_batch
+
+    B0 = t.base_prompts * t.group_size
+    out: dict[str, dict[int, dict[str, float]]] = {}
+    cache: dict[tuple, dict[str, float]] = {}
+    for rule_name in t.rules:
+        _, rule, in_rollouts = TOY_RULES[rule_name]
+        out[rule_name] = {}
+        for scale in t.scales:
+            B = B0 * scale
+            lr = lr_for_batch(t.base_lr, B0, B, "adamw", rule=rule)
+            queue = t.queue if in_rollouts else t.fixed_lag_steps * B
+            key = (round(lr, 12), B, queue)
+            if key not in cache:
+                per_seed = []
+                for k in range(t.seeds):
+                    records, _ = tiny_run(base, f"scale-{rule_name}-B{B}-s{k}", prompts=t.base_prompts * scale,
+                                          queue=queue, lr=lr, rollouts=t.rollouts, seed=seed + k, beta1=t.beta1)
+                    per_seed.append({"gap": _second_half_mean(records, "kl_seq"), "steps": len(records),
+                                     "staleness_mean": _second_half_mean(records, "async/staleness_mean"),
+                                     "reward": _second_half_mean(records, "reward/mean")})
+                cache[key] = {"gap": statistics.fmean(r["gap"] for r in per_seed),
+                              "gap_per_seed": [r["gap"] for r in per_seed], "lr": lr, "queue": queue,
+                              "lag_steps": math.ceil(queue / B), "steps": per_seed[0]["steps"],
+                              "staleness_mean": per_seed[0]["staleness_mean"],
+                              "reward": statistics.fmean(r["reward"] for r in per_seed)}
+            out[rule_name][B] = cache[key]
+    return out
+
+
+def floor_section(base: TinyBase, t: TinySettings, seed: int) -> dict[str, Any]:
+    """bf16 sampler vs fp32 trainer at B = floor_prompts·group: for each queue Q, the trainer-measured gap
+    (mean kl_seq over the run) and the engine floor probed on every chunk (an fp32 forward at the sampler's own
+    weights, so staleness is excluded). The floor reported is the mean probe over all runs."""
+    B = t.floor_prompts * t.group_size
+    gaps: dict[int, float] = {}
+    floors: dict[int, float] = {}
+    probes = 0
+    for q_steps in t.floor_queues_steps:
+        records, summary = tiny_run(base, f"floor-Q{q_steps}B", prompts=t.floor_prompts, queue=q_steps * B,
+                                    lr=t.floor_lr, rollouts=t.floor_rollouts, sampler_dtype="bfloat16",
+                                    probe_every=1, seed=seed)
+        gaps[q_steps * B] = float(statistics.fmean(r["kl_seq"] for r in records))
+        floors[q_steps * B] = float(summary["async"]["floor_kl_seq"])
+        probes += int(summary["async"]["floor_probes"])
+    floor = float(statistics.fmean(floors.values()))
+    return {"batch": B, "gap_by_queue": gaps, "floor_by_queue": floors, "floor": floor, "probes": probes,
+            "staleness_part_by_queue": {q: gaps[q] - floor for q in gaps}}
+
+
+# ------------------------------------------------------------------------------------------------- figure
+
+def _figure(path: Path, toy: dict, tiny: dict | None, floor: dict | None, toy_s: ToySettings) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    panels = 1 + (tiny is not None) + (floor is not None)
+    fig, axes = plt.subplots(1, panels, figsize=(5 * panels, 4))
+    axes = [axes] if panels == 1 else list(axes)
+    ax = axes[0]
+    for name, per_b in toy.items():
+        bs = sorted(per_b)
+        ax.errorbar(bs, [per_b[b]["gap"] for b in bs], yerr=[2 * per_b[b]["gap_se"] for b in bs], marker="o",
+                    label=name.replace("_", " "), linestyle="-" if name in KEEPS_GAP else "--")
+    ax.set_xscale("log", base=2)
+    ax.set_yscale("log")
+    ax.set_xlabel("rollouts per step B")
+    ax.set_ylabel("exact KL_seq(sampler ‖ trainer)")
+    ax.set_title(f"toy: gap at fixed Q = {toy_s.queue} rollouts")
+    ax.legend(fontsize=8)
+    i = 1
+    if tiny is not None:
+        ax = axes[i]
+        i += 1
+        for name, per_b in tiny.items():
+            bs = sorted(per_b)
+            ax.plot(bs, [per_b[b]["gap"] for b in bs], marker="o", label=name.replace("_", " "),
+                    linestyle="-" if name in KEEPS_GAP else "--")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("rollouts per step B")
+        ax.set_ylabel("trainer kl_seq (2nd half of run)")
+        ax.set_title("tiny transformer (AdamW)")
+        ax.legend(fontsize=8)
+    if floor is not None:
+        ax = axes[i]
+        qs = sorted(floor["gap_by_queue"])
+        ax.plot(qs, [floor["gap_by_queue"][q] for q in qs], marker="o", label="measured gap (trainer kl_seq)")
+        ax.plot(qs, [floor["floor_by_queue"][q] for q in qs], marker="s", linestyle=":", color="k",
+                label="engine floor (bf16 vs fp32, probed)")
+        ax.set_xlabel("queue Q (rollouts)")
+        ax.set_ylabel("kl_seq")
+        ax.set_yscale("log")
+        ax.set_title(f"floor + staleness (B = {floor['batch']})")
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+
+
+# ---------------------------------------------------------------------------------------------------- run
+
+def _ratio_checks(result, section: str, per_rule: dict, base_batch: int) -> dict[str, list[float]]:
+    """gap(B)/gap(B0) per rule; rules in KEEPS_GAP must stay within ±25%, the others must grow."""
+    ratios: dict[str, list[float]] = {}
+    for name, per_b in per_rule.items():
+        bs = sorted(per_b)
+        base = per_b[base_batch]["gap"]
+        ratios[name] = [per_b[b]["gap"] / base for b in bs]
+        big = [r for b, r in zip(bs, ratios[name]) if b != base_batch]
+        scales = "/".join(f"{b // base_batch}x" for b in bs if b != base_batch)
+        if name in KEEPS_GAP:
+            result.check(f"{section}: {name} keeps the gap ({scales} B)", [round(r, 3) for r in big],
+                         f"every ratio gap(B)/gap(B0) within 1 ± {TOLERANCE}",
+                         all(abs(r - 1) <= TOLERANCE for r in big))
+        else:
+            result.check(f"{section}: {name} gap grows ({scales} B)", [round(r, 3) for r in big],
+                         f"gap({bs[-1] // base_batch}x B)/gap(B0) > 1 + {TOLERANCE}", big[-1] > 1 + TOLERANCE)
+    return ratios
+
+
+def momentum_sweep(seed: int, betas: tuple[float, ...] = (0.9, 0.5, 0.0)) -> dict[str, list[float]]:
+    """Toy, Adam with the √ rule at a SHORT lag (Q = 512: 64/16/4 steps at B = 8/32/128): gap(B)/gap(8) for
+    several β1. Shows that the rule needs a lag longer than the momentum time 1/(1−β1) (in steps)."""
+    s = ToySettings(base_batch=8, batches=(8, 32, 128), queue=512, fixed_lag_steps=8, rollouts=8192, seeds=16)
+    out = {}
+    for b1 in betas:
+        gaps = [toy_gap("adam", "sqrt", b, s, seed=seed, beta1=b1)["gap"] for b in s.batches]
+        out[str(b1)] = [g / gaps[0] for g in gaps]
+    return out
+
+
+def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
+    import torch
+
+    from covrl.repro.common import ReproResult
+
+    torch.set_num_threads(1)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    result = ReproResult(name="async-gap", claim=CLAIM)
+    toy_s = TOY_FAST if fast else TOY_FULL
+    tiny_s = TINY_FAST if fast else TINY_FULL
+    t0 = time.perf_counter()
+
+    toy = toy_section(toy_s, seed)
+    toy_ratios = _ratio_checks(result, "toy", toy, toy_s.base_batch)
+    result.numbers["toy"] = {"settings": toy_s.__dict__, "seconds": time.perf_counter() - t0,
+                             "gap": {n: {str(b): v for b, v in per.items()} for n, per in toy.items()},
+                             "ratio_to_base": toy_ratios}
+    if not fast:
+        result.numbers["toy_momentum_sweep_short_lag"] = momentum_sweep(seed)
+
+    t1 = time.perf_counter()
+    base = tiny_base(out_dir, tiny_s, seed)
+    result.numbers["tiny_warmup_seconds"] = time.perf_counter() - t1
+    tiny = None
+    if not fast:   # the fast variant has too few rollouts for the ±25% test on the transformer
+        tiny = tiny_scaling_section(base, tiny_s, seed)
+        B0 = tiny_s.base_prompts * tiny_s.group_size
+        tiny_ratios = _ratio_checks(result, "tiny transformer", tiny, B0)
+        result.numbers["tiny"] = {"settings": tiny_s.__dict__, "seconds": time.perf_counter() - t1,
+                                  "gap": {n: {str(b): v for b, v in per.items()} for n, per in tiny.items()},
+                                  "ratio_to_base": tiny_ratios}
+
+    t2 = time.perf_counter()
+    floor = floor_section(base, tiny_s, seed)
+    qs = sorted(floor["gap_by_queue"])
+    gaps = [floor["gap_by_queue"][q] for q in qs]
+    floor0 = floor["floor_by_queue"][qs[0]]
+    result.check("floor: gap at staleness 0 equals the engine floor probed at the sampler's weights "
+                 "(bf16 sampler vs fp32 trainer)", {"gap_Q0": gaps[0], "floor_probe_Q0": floor0},
+                 f"|gap/floor − 1| ≤ {TOLERANCE}",
+                 math.isfinite(floor0) and floor0 > 0 and abs(gaps[0] / floor0 - 1) <= TOLERANCE)
+    result.check("floor + staleness: the gap grows with the queue Q", {str(q): g for q, g in zip(qs, gaps)},
+                 "strictly increasing in Q", all(b > a for a, b in zip(gaps, gaps[1:])))
+    floors = [floor["floor_by_queue"][q] for q in qs]
+    result.check("floor + staleness: the growth is staleness, not floor (probed floor at every Q)",
+                 {"floor_by_queue": {str(q): f for q, f in zip(qs, floors)},
+                  "gap_growth": gaps[-1] / gaps[0], "floor_spread": max(floors) / min(floors)},
+                 "floor within 3x of its Q=0 value at every Q while the gap grows > 10x",
+                 max(floors) / min(floors) <= 3 and gaps[-1] / gaps[0] > 10)
+    fig = out_dir / "async_gap.png"
+    _figure(fig, toy, tiny, floor, toy_s)
+    result.numbers["floor"] = {k: ({str(q): x for q, x in v.items()} if isinstance(v, dict) else v)
+                               for k, v in floor.items()} | {"seconds": time.perf_counter() - t2}
+    result.figures.append(fig.name)
+    result.notes = _notes(fast)
+    return result
+
+
+def _notes(fast: bool) -> str:
+    text = ("Toy: the gap is the exact KL between the two softmax policies (no sampling in the measurement); "
+            "the sqrt rule holds for Adam when gradient noise dominates and the lag spans several of Adam's "
+            "momentum times (1/(1−β1) = 10 steps): with a short lag in steps the momentum makes consecutive "
+            "updates coherent and the gap at large B falls below the band. Tiny transformer: deterministic "
+            "async schedule (the sampler always fills the queue up to the bound), gap = the trainer's kl_seq "
+            "on the consumed rollouts, averaged over the second half of each run.")
+    if fast:
+        text += " Fast variant: toy and floor sections only (the tiny-transformer batch scaling runs in the full one)."
+    return text
