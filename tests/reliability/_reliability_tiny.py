@@ -4,9 +4,6 @@ subprocess) and readers for its run folder."""
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[2]
@@ -22,17 +19,6 @@ def tiny_overrides(out: Path, name: str, *extra: str, steps: int = 4, every: int
             "logging.curves=false", "logging.progress_bar=false", "task.n_train=64", "task.n_eval=8",
             f"checkpoint.every_rollouts={every}", "checkpoint.keep_last=2", "optim.micro_batch_size=8",
             f"task.reward_fn={REWARDS}:digit_fraction", *extra]
-
-
-def cli(args: list[str], *, env: dict[str, str] | None = None, timeout: float = 300) -> subprocess.CompletedProcess:
-    """`covrl train ...` in a fresh interpreter (one torch thread)."""
-    full_env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
-                **(env or {})}
-    for key in ("COVRL_FAULT", "COVRL_FAULT_TRACE"):
-        if env is None or key not in env:
-            full_env.pop(key, None)
-    return subprocess.run([sys.executable, "-m", "covrl", "train", "--config", str(TINY), *args],
-                          env=full_env, capture_output=True, text=True, timeout=timeout, cwd=str(REPO))
 
 
 def metrics(run_dir: Path) -> list[dict]:
