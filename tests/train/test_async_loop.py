@@ -239,17 +239,25 @@ def test_resume_regenerates_the_chunk_in_flight(tmp_path):
 def test_threaded_run_respects_the_bound(tmp_path):
     """A real two-thread run with Q = 2 steps and chunks of 1 prompt: every step's staleness <= 2."""
     torch.set_num_threads(1)
-    cfg = tiny_cfg(tmp_path, steps=5)
+    cfg = tiny_cfg(tmp_path, steps=5, **{"eval.every_rollouts": 32})
     acfg = AsyncLoopConfig(max_staleness_rollouts=2 * cfg.loop.rollouts_per_step, chunk_prompts=1,
                            floor_probe_every=2)
     run, summary = run_async(cfg, "bound", acfg)
     records = read_jsonl(run.run_dir / "metrics.jsonl")
+    # periodic evaluation (sampler paused and synced) at 32 and 64 rollouts, plus the final one
+    assert [e["label"] for e in summary_evals(run)] == ["rollouts-32", "rollouts-64", "after"]
     assert len(records) == 5 and max(r["async/staleness_max"] for r in records) <= 2
     assert all(r["async/outstanding"] <= 3 * cfg.loop.rollouts_per_step for r in records)
     assert summary["async"]["rollouts_consumed"] == 5 * cfg.loop.rollouts_per_step
     # fp32 sampler against an fp32 trainer at equal weights: the engine floor is ~0
     assert summary["async"]["floor_kl_seq"] is not None and summary["async"]["floor_kl_seq"] < 1e-6
     assert all(math.isfinite(r["gap/total"]) for r in records)
+
+
+def summary_evals(run):
+    import json
+
+    return json.loads((run.run_dir / "eval.json").read_text())["evals"]
 
 
 def test_config_checks():

@@ -143,6 +143,7 @@ class AsyncState:
         self.floor_ema: float | None = None
         self.floor_last: float | None = None
         self.floor_samples = 0
+        self.floor_sum = 0.0
         self.chunks_generated = 0
         self.num_samplers = 1
         self.start_consumed = 0
@@ -160,7 +161,12 @@ class AsyncState:
     def record_floor(self, value: float) -> None:
         self.floor_last = value
         self.floor_samples += 1
+        self.floor_sum += value
         self.floor_ema = value if self.floor_ema is None else 0.8 * self.floor_ema + 0.2 * value
+
+    @property
+    def floor_mean(self) -> float | None:
+        return self.floor_sum / self.floor_samples if self.floor_samples else None
 
     def fail(self, err: BaseException) -> None:
         with self.cond:
@@ -364,6 +370,8 @@ class ThreadPool(_LocalWorkerMixin):
         with self.sampler_lock:
             if run.sampler.version < run.trainer.version:
                 run.sampler.load_weights(run.model, run.trainer.version)
+                if self.state.acfg.floor_probe_every:   # the floor probe follows the sampler's weights
+                    self._probe_weights = clone_weights(run.model)
             return run.run_eval(label)
 
     def stop(self) -> None:
@@ -568,7 +576,7 @@ def train_async(run, *, acfg: AsyncLoopConfig | None = None, pool: str | None = 
         "rollouts_per_s": (state.manager.consumed - start_consumed) / wall,
         "sampler_idle_frac": state.sampler_idle_s / (wall * state.num_samplers),
         "trainer_idle_frac": state.trainer_idle_s / wall, "dropped_rollouts": state.manager.dropped,
-        "floor_kl_seq": state.floor_ema,
+        "floor_kl_seq": state.floor_mean, "floor_probes": state.floor_samples,
     }
     return summary
 
