@@ -6,7 +6,13 @@ import pytest
 import torch
 
 from covrl.models import ModelConfig, load_model
-from covrl.rollout import SamplerConfig, build_sampler, filtered_logprobs, sample_from_logprobs
+from covrl.rollout import (
+    SamplerConfig,
+    build_sampler,
+    decode_responses,
+    filtered_logprobs,
+    sample_from_logprobs,
+)
 
 torch.set_num_threads(1)
 
@@ -67,6 +73,10 @@ def test_shapes_groups_and_eos_masking(tiny):
         assert batch.response_ids[i, L:].eq(tok.pad_token_id).all()
         assert batch.sampler_logprobs[i, L:].eq(0).all() and batch.sampler_logprobs[i, :L].lt(0).all()
     assert 0 < stopped < B, "the fixture should give both stopped and truncated rows"
+    texts = decode_responses(tok, batch)
+    for i in range(B):  # the text drops padding and the EOS token
+        kept = [t for t in batch.response_ids[i, : int(lengths[i])].tolist() if t > 3]
+        assert texts[i] == tok.decode(kept)
     assert batch.info["generate_s"] > 0 and batch.info["num_response_tokens"] == int(lengths.sum())
 
 
@@ -204,6 +214,14 @@ def test_lora_model_sampler_copy_matches_forward():
         for n, p in model.named_parameters():
             if "lora_B" in n:
                 p.add_(0.5)
+    assert not any("lora" in n for n, _ in sampler.module.named_parameters())  # merged: plain Linear layers
     sampler.load_weights(model, version=2)
+    batch = sampler.generate(PROMPTS, 2, generator=torch.Generator().manual_seed(0))
+    assert torch.allclose(batch.sampler_logprobs, recompute_logprobs(model, batch, cfg), atol=2e-5)
+    with torch.no_grad():
+        for n, p in model.named_parameters():
+            if "lora_A" in n:
+                p.mul_(-1.0)
+    sampler.load_weights({k: v.clone() for k, v in model.state_dict().items()}, version=3)  # a state dict
     batch = sampler.generate(PROMPTS, 2, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(batch.sampler_logprobs, recompute_logprobs(model, batch, cfg), atol=2e-5)

@@ -7,9 +7,11 @@ from covrl.models.loading import (
     TinyModelConfig,
     frozen_copy,
     load_model,
+    lora_merge_plan,
+    merge_lora_state_dict,
 )
 from covrl.models.smollm2 import ModelNotFoundError, load_smollm2, smollm2_gguf_path
 from covrl.models.tiny import char_tokenizer, tiny_llama
 
 __all__ = ["MODEL_SOURCES", "LoraSettings", "ModelConfig", "ModelNotFoundError", "TinyModelConfig",
-           "char_tokenizer", "frozen_copy", "load_model", "load_smollm2", "smollm2_gguf_path", "tiny_llama"]
+           "char_tokenizer", "frozen_copy", "load_model", "lora_merge_plan", "merge_lora_state_dict", "load_smollm2", "smollm2_gguf_path", "tiny_llama"]

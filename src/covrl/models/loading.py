@@ -146,3 +146,47 @@ def frozen_copy(model):
     for p in ref.parameters():
         p.requires_grad_(False)
     return ref
+
+
+PEFT_PREFIX = "base_model.model."
+
+
+def lora_merge_plan(model) -> dict[str, float] | None:
+    """For a peft LoRA model: {module path in the base model: scaling} of every adapted layer, when all of
+    them are plain LoRA Linear layers (no DoRA, no fan_in_fan_out) so that W_merged = W + scaling * B @ A.
+    None for a model without adapters or with layers this formula does not cover."""
+    try:
+        from peft import PeftModel
+        from peft.tuners.lora import Linear as LoraLinear
+        from peft.tuners.lora import LoraLayer
+    except ImportError:  # pragma: no cover - peft is a base dependency
+        return None
+    if not isinstance(model, PeftModel):
+        return None
+    adapter = model.active_adapter
+    plan = {}
+    for name, module in model.get_base_model().named_modules():
+        if isinstance(module, LoraLayer):
+            if (type(module) is not LoraLinear or module.fan_in_fan_out or module.use_dora.get(adapter)
+                    or adapter not in module.lora_A):
+                return None
+            plan[name] = float(module.scaling[adapter])
+    return plan or None
+
+
+def merge_lora_state_dict(state: dict, plan: dict[str, float], adapter: str = "default") -> dict:
+    """A peft LoRA state dict (keys `base_model.model.<path>...`) as the state dict of the merged plain model:
+    `<path>.weight = base_layer.weight + scaling * lora_B @ lora_A` for each layer in `plan`, other keys with
+    the peft prefix removed. Computed in the dtype of the base weights."""
+    merged = {}
+    for key, value in state.items():
+        plain = key[len(PEFT_PREFIX):] if key.startswith(PEFT_PREFIX) else key
+        if ".lora_" in plain:
+            continue
+        merged[plain.replace(".base_layer.", ".")] = value
+    for path, scaling in plan.items():
+        a = state[f"{PEFT_PREFIX}{path}.lora_A.{adapter}.weight"]
+        b = state[f"{PEFT_PREFIX}{path}.lora_B.{adapter}.weight"]
+        base = merged[f"{path}.weight"]
+        merged[f"{path}.weight"] = base + (b.to(base.dtype) @ a.to(base.dtype)) * scaling
+    return merged

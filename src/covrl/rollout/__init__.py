@@ -9,7 +9,8 @@ from covrl.rollout.sampler import (
     filtered_logprobs,
     sample_from_logprobs,
 )
+from covrl.rollout.text import decode_responses
 from covrl.rollout.types import RolloutBatch
 
 __all__ = ["SAMPLER_BACKENDS", "HFSampler", "RolloutBatch", "Sampler", "SamplerConfig", "build_sampler",
-           "filtered_logprobs", "sample_from_logprobs"]
+           "decode_responses", "filtered_logprobs", "sample_from_logprobs"]

@@ -29,6 +29,7 @@ from typing import Literal, Protocol
 import torch
 from pydantic import BaseModel, ConfigDict, Field
 
+from covrl.models.loading import lora_merge_plan, merge_lora_state_dict
 from covrl.rollout.types import RolloutBatch
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -138,10 +139,17 @@ class HFSampler:
                              f"({self.model_dtype}), got {self.dtype}")
         self.shares_weights = cfg.share_weights == "always" or (
             cfg.share_weights == "auto" and same and cfg.sync_every == 1)
+        # A private copy of a LoRA model is merged (plain Linear layers: no adapter overhead per token);
+        # load_weights then merges the trainer's adapters into it.
+        self._lora_plan = None if self.shares_weights else lora_merge_plan(model)
         if self.shares_weights:
             self.module = model
         else:
-            self.module = copy.deepcopy(model).to(self.dtype)
+            self.module = copy.deepcopy(model)
+            if self._lora_plan is not None:
+                self._lora_adapter = model.active_adapter
+                self.module = self.module.merge_and_unload()
+            self.module = self.module.to(self.dtype)
             self.module.eval()
             for p in self.module.parameters():
                 p.requires_grad_(False)
@@ -164,13 +172,16 @@ class HFSampler:
     # ------------------------------------------------------------------ weights
 
     def load_weights(self, model_or_state_dict, version: int) -> None:
-        """Copy the trainer's weights (a module or a state dict) into the sampler, cast to the sampler's
-        dtype, and mark them as policy `version`. With shared weights only the version changes."""
+        """Copy the trainer's weights (a module or its state dict) into the sampler, cast to the sampler's
+        dtype, and mark them as policy `version`. With shared weights only the version changes. A LoRA
+        model's adapters are merged into the sampler's plain copy (W + scaling * B @ A)."""
         if self.shares_weights and model_or_state_dict is self.module:
             self.version = int(version)
             return
         state = model_or_state_dict.state_dict() if hasattr(model_or_state_dict, "state_dict") \
             else model_or_state_dict
+        if self._lora_plan is not None:
+            state = merge_lora_state_dict(state, self._lora_plan, self._lora_adapter)
         with torch.no_grad():
             self.module.load_state_dict(state, strict=True)
         self.version = int(version)
