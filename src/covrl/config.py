@@ -217,3 +217,36 @@ def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str
 def dump_config(cfg: BaseModel) -> str:
     """The resolved config as YAML (every field, defaults included), loadable by `load_config`."""
     return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
+
+
+def _type_text(annotation: Any) -> str:
+    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
+    text = text or str(annotation).replace("typing.", "")
+    return text.replace("NoneType", "None")
+
+
+def config_reference(root: type[BaseModel] = TrainConfig) -> str:
+    """Markdown reference of every config field: dotted key, type, default, description (docs/configuration.md)."""
+    out = ["| key | type | default | description |", "|---|---|---|---|"]
+
+    def walk(cls: type[BaseModel], prefix: str) -> None:
+        for name, field in cls.model_fields.items():
+            key = f"{prefix}{name}"
+            sub = _model_at(cls, (name,))
+            if sub is not None and field.annotation is sub:
+                out.append(f"| **{key}** | section | | {field.description or ''} |")
+                walk(sub, key + ".")
+                continue
+            default = field.get_default(call_default_factory=True)
+            if isinstance(default, BaseModel):
+                default = default.model_dump(mode="json")
+            desc = (field.description or "").replace("|", "\\|")
+            type_text = _type_text(field.annotation).replace("|", "\\|")
+            out.append(f"| `{key}` | {type_text} | `{default!r}` | {desc} |")
+
+    walk(root, "")
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":  # python -m covrl.config > reference table
+    print(config_reference(), end="")

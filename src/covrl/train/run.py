@@ -113,6 +113,7 @@ class Run:
     resumed_from: str | None = None
     timings: dict[str, float] = field(default_factory=dict)
     started: float = field(default_factory=time.perf_counter)
+    started_cpu: float = field(default_factory=time.process_time)
     sft_metrics: dict[str, float] = field(default_factory=dict)
     status: str = "running"
     metrics_lines: int = 0
@@ -209,6 +210,8 @@ class Run:
             "skipped_steps": sum(1 for r in records if r.get("skipped")),
             "resumed_from": self.resumed_from,
             "wall_time_s": time.perf_counter() - self.started,
+            "process_cpu_s": time.process_time() - self.started_cpu,
+            "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
             "session_time_split_s": dict(self.timings),
             "train_time_split_s": split,
             "eval_before": brief(before), "eval_after": brief(after),
@@ -266,7 +269,7 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     from covrl.tasks import build_task
     from covrl.train.sft import sft_warmup
 
-    t_setup = time.perf_counter()
+    t_setup, cpu_setup = time.perf_counter(), time.process_time()
     run_dir = Path(run_dir) if run_dir is not None else choose_run_dir(cfg, config_path=config_path, resume=resume)
     latest = None
     if resume:
@@ -316,6 +319,7 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     sampler = (build_sampler_fn or build_sampler)(cfg.sampler, model, tokenizer)
     run = Run(cfg=cfg, run_dir=run_dir, model=model, tokenizer=tokenizer, task=task, sampler=sampler,
               trainer=trainer, stream=stream, generator=generator, ref_model=ref_model, sft_metrics=sft_metrics)
+    run.started, run.started_cpu = t_setup, cpu_setup   # wall time counts model load and warm-up too
     run.add_time("model_load", load_s)
     if sft_metrics:
         run.add_time("sft", sft_metrics.get("sft/seconds", 0.0))

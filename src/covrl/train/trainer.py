@@ -156,7 +156,7 @@ class Trainer:
             raise ValueError("the model has no trainable parameters (requires_grad=False everywhere)")
         o = cfg.optim
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay)
+                                           weight_decay=o.weight_decay, **_fused_if_supported(self.params))
         self.surge = LengthSurgeSchedule(cfg.lr_surge, rollouts_per_step=cfg.loop.rollouts_per_step)
         self.noise = _noise_monitor(cfg.algorithm.agg_mode)
         self.temperature = float(cfg.sampler.temperature)
@@ -475,6 +475,12 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
     return m
 
 
+def _fused_if_supported(params) -> dict[str, bool]:
+    """The fused AdamW kernel (one pass over each tensor) when every parameter is a float tensor on CPU/CUDA."""
+    ok = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return {"fused": True} if ok else {}
+
+
 def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     """Batch tensors on `device`; tensors made under inference_mode (by a sampler) become normal tensors so
     autograd may save them."""
@@ -502,5 +508,8 @@ def _tangent_metrics(lp, q, rewards, mask, group_ids) -> dict[str, float]:
         from covrl.diagnostics.tangent import tangent_remainder
     except ImportError:  # pragma: no cover
         return {}
-    tr = tangent_remainder(lp, q, rewards, mask, group_ids=group_ids)
+    try:
+        tr = tangent_remainder(lp, q, rewards, mask, group_ids=group_ids)
+    except ValueError:  # a -inf log-prob of a sampled token (ppo_clip still steps): a diagnostic must not end the run
+        return {}
     return {k: float(tr.metrics[k]) for k in _TANGENT_KEYS if k in tr.metrics}
