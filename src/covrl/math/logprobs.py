@@ -158,12 +158,14 @@ def _per_row(logits: torch.Tensor, temperature: float, differentiable, in_place)
 
 def _entropy_grad(u: torch.Tensor) -> torch.Tensor:
     u = u - u.detach().amax(dim=-1, keepdim=True)  # H is shift invariant; small numbers keep precision
-    return torch.logsumexp(u, dim=-1) - (torch.softmax(u, dim=-1) * u).sum(-1)
+    # π·u with u = −inf (a masked logit) must be 0, not 0·(−inf) = NaN: clamp u to the dtype's finite minimum
+    return torch.logsumexp(u, dim=-1) - (torch.softmax(u, dim=-1) * u.clamp(min=torch.finfo(u.dtype).min)).sum(-1)
 
 
 def _entropy_in_place(u: torch.Tensor) -> torch.Tensor:
     e = u.exp()
     total = e.sum(-1)  # ≥ 1 because max(u) = 0
+    u.clamp_(min=torch.finfo(u.dtype).min)  # masked (−inf) logits: e = 0 there, and 0·finite = 0 (not NaN)
     return total.log() - u.mul_(e).sum(-1) / total
 
 
