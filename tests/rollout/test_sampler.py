@@ -200,6 +200,9 @@ def test_bad_inputs_and_backends(tiny):
     sampler = build_sampler(SamplerConfig(), model, tok)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         sampler.generate([[1, 2], []], 1, generator=torch.Generator())
+    with pytest.raises(ValueError, match="max_position_embeddings=256"):  # no silent RoPE extrapolation
+        build_sampler(SamplerConfig(max_new_tokens=24), model, tok).generate(
+            [[5] * 233], 1, generator=torch.Generator())
     with pytest.raises(ValueError, match="share_weights"):
         build_sampler(SamplerConfig(dtype="bfloat16", share_weights="always"), model, tok)
 

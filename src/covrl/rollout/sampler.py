@@ -31,6 +31,7 @@ from pydantic import BaseModel, ConfigDict, Field
 
 from covrl.models.loading import lora_merge_plan, merge_lora_state_dict
 from covrl.rollout.types import RolloutBatch
+from covrl.tasks.task import PromptTooLongError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The sampler's top-k log-probs use this floor instead of -inf outside the filtered support, so products
@@ -168,6 +169,8 @@ class HFSampler:
         self.eos_ids = sorted(eos)
         self.version = 0
         self._cache_kwarg = _cache_kwarg()
+        # Positions past the model's trained context would run through RoPE extrapolation silently.
+        self.context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
     # ------------------------------------------------------------------ weights
 
@@ -196,6 +199,11 @@ class HFSampler:
         for i, p in enumerate(prompts):
             if len(p) == 0:
                 raise ValueError(f"generate: prompt {i} is empty")
+            if self.context and len(p) + self.cfg.max_new_tokens > self.context:
+                raise PromptTooLongError(
+                    f"prompt {i} has {len(p)} tokens; with sampler.max_new_tokens={self.cfg.max_new_tokens} it "
+                    f"exceeds the model context (max_position_embeddings={self.context}); lower "
+                    "task.max_prompt_tokens (overlong=truncate) or sampler.max_new_tokens")
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, *, generator: torch.Generator,
