@@ -139,3 +139,18 @@ def test_score_correct_uses_grader_and_counts_empty():
 def test_unknown_reward_name():
     with pytest.raises(ValueError, match="not registered"):
         _task(reward="nope")
+
+
+def test_process_isolation_survives_crash_hang_and_exit(user_file):
+    with open(user_file, "a") as f:
+        f.write("\nimport os\n\ndef hard_exit(completion, example):\n"
+                "    if completion == 'exit':\n        os._exit(3)\n    if completion == 'hang':\n"
+                "        time.sleep(30)\n    if completion == 'boom':\n        raise SystemExit(1)\n"
+                "    return float(len(completion))\n")
+    task = _task(reward_fn=f"{user_file}:hard_exit", reward_isolation="process", reward_timeout_s=1.0)
+    try:
+        out = task.score(["ab", "exit", "abc", "hang", "boom", "a"], task.train[:5] + task.train[:1])
+        assert out.rewards == [2.0, 0.0, 3.0, 0.0, 0.0, 1.0]
+        assert out.errors == 3 and out.metrics["reward/timeouts"] == 1.0
+    finally:
+        task.close()

@@ -64,6 +64,9 @@ class TaskConfig(BaseModel):
                                                    "truncate (keep the last tokens) or raise an error")
     reward_timeout_s: float | None = Field(5.0, gt=0, le=86400.0, description="per-call timeout for user reward "
                                            "functions (thread-based; None = no timeout)")
+    reward_isolation: Literal["thread", "process"] = Field(
+        "thread", description="where user reward calls run: a worker thread (cheap; a hang is abandoned) "
+        "or a spawned worker process (a hang or crash is killed)")
     reward_errors: Literal["zero", "raise"] = Field("zero", description="a failing user reward call: "
                                                     "reward 0 and counted (zero) or stop (raise)")
 

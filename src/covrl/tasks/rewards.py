@@ -3,12 +3,17 @@
 
 Every reward function has one signature: `fn(completion: str, example: Example) -> float`.
 
-Timeouts are thread-based: each call runs on a daemon worker thread and the caller waits at most
-`timeout_s`. A call that overruns is abandoned (Python cannot kill a thread): its worker is dropped and a
-fresh one serves the next call. We chose threads over subprocesses because user rewards often close over
-state that cannot be pickled and a fork of a process holding a model costs more than most rewards; the
-price is that an abandoned call keeps running in the background until it returns (a busy loop keeps
-taking a share of the GIL). Built-in rewards are trusted and called directly.
+Isolation of user functions (`task.reward_isolation`):
+- "thread" (default): each call runs on a daemon worker thread and the caller waits at most `timeout_s`.
+  A call that overruns is abandoned (Python cannot kill a thread): its worker is dropped and a fresh one
+  serves the next call. Cheap (no process, no pickling, works with closures over any state); the price is
+  that an abandoned call keeps running in the background until it returns (a busy loop keeps taking a
+  share of the GIL) and that os._exit / a crash in native code ends the run.
+- "process": the function is loaded by its spec inside a spawned worker process and called over a pipe
+  (examples must be picklable). A call that overruns is killed with its process; a process that dies
+  (os._exit, segfault) counts as an error and is replaced. Costs a process start (~1 s) and a pipe round
+  trip per call.
+Built-in rewards are trusted and called directly.
 """
 
 from __future__ import annotations
@@ -147,20 +152,108 @@ class _Worker:
             box.done.set()
 
 
+def _process_main(spec: str, conn) -> None:
+    """Body of a reward worker process: load the user function by its spec, then answer calls."""
+    try:
+        fn = load_user_reward(spec)
+    except BaseException as err:  # noqa: BLE001 - reported to the parent
+        conn.send(("error", f"{type(err).__name__}: {err}"))
+        return
+    conn.send(("ready", None))
+    while True:
+        try:
+            completion, example = conn.recv()
+        except EOFError:
+            return
+        try:
+            conn.send(("ok", float(fn(completion, example))))
+        except BaseException as err:  # noqa: BLE001 - SystemExit etc. become an error reply
+            conn.send(("error", f"{type(err).__name__}: {err}"))
+
+
+class _RemoteError(RuntimeError):
+    """The user function raised inside the worker process (the process itself is fine)."""
+
+
+class _ProcessWorker:
+    """A spawned process that loads the user reward by its spec and serves calls over a pipe; a call that
+    overruns, or a process that dies (os._exit, segfault), is killed and replaced on the next call."""
+
+    def __init__(self, spec: str, startup_timeout_s: float = 120.0):
+        import multiprocessing
+
+        ctx = multiprocessing.get_context("spawn")  # no fork of a process that holds torch threads
+        self.conn, child = ctx.Pipe()
+        self.proc = ctx.Process(target=_process_main, args=(spec, child), daemon=True,
+                                name="covrl-reward-process")
+        self.proc.start()
+        child.close()
+        if not self.conn.poll(startup_timeout_s):
+            self.kill()
+            raise TimeoutError(f"reward worker process did not start within {startup_timeout_s} s")
+        status, message = self.conn.recv()
+        if status != "ready":
+            self.kill()
+            raise RuntimeError(f"reward worker process could not load {spec!r}: {message}")
+
+    def call(self, completion: str, example: Example, timeout_s: float | None) -> float:
+        self.conn.send((completion, example))
+        if not self.conn.poll(timeout_s):
+            raise TimeoutError(f"took longer than {timeout_s} s")
+        try:
+            status, value = self.conn.recv()
+        except EOFError as err:
+            raise RuntimeError(f"reward worker process died (exit code {self.proc.exitcode})") from err
+        if status != "ok":
+            raise _RemoteError(value)
+        return value
+
+    def kill(self) -> None:
+        self.proc.kill()
+        self.proc.join(timeout=5)
+        self.conn.close()
+
+
 class RewardRunner:
     """Calls a reward function on a batch with exception isolation and an optional per-call timeout.
 
     on_error "zero": a raising / hanging / non-finite call gets reward 0.0 and counts in `errors`;
              "raise": the first failure raises RewardFunctionError naming the completion index."""
 
-    def __init__(self, fn: RewardFn, *, name: str, timeout_s: float | None, on_error: str, isolate: bool):
+    def __init__(self, fn: RewardFn, *, name: str, timeout_s: float | None, on_error: str, isolate: bool,
+                 process_spec: str | None = None):
         if on_error not in ("zero", "raise"):
             raise ValueError(f"task.reward_errors={on_error!r}; allowed: 'zero', 'raise'")
         self.fn, self.name, self.on_error = fn, name, on_error
         self.timeout_s = timeout_s if (timeout_s and isolate) else None
         self._worker: _Worker | None = None
+        # process isolation: the user function runs in a spawned process loaded from this spec
+        self.process_spec = process_spec
+        self._process: _ProcessWorker | None = None
+
+    def _call_process(self, completion: str, example: Example):
+        if self._process is None or not self._process.proc.is_alive():
+            self._process = _ProcessWorker(self.process_spec)
+        try:
+            return self._process.call(completion, example, self.timeout_s)
+        except _RemoteError:
+            raise
+        except Exception as err:  # stuck, dead or broken pipe: the next call starts a fresh process
+            self._process.kill()
+            self._process = None
+            if isinstance(err, TimeoutError):
+                raise TimeoutError(f"reward function {self.name} {err}") from None
+            raise RuntimeError(f"reward worker process failed: {type(err).__name__}: {err}") from err
+
+    def close(self) -> None:
+        """Stop the worker process, if any."""
+        if self._process is not None:
+            self._process.kill()
+            self._process = None
 
     def _call(self, completion: str, example: Example):
+        if self.process_spec is not None:
+            return self._call_process(completion, example)
         if self.timeout_s is None:
             try:
                 return self.fn(completion, example)

@@ -33,8 +33,10 @@ class Task:
             fn, isolate = load_user_reward(cfg.reward_fn), True
         else:
             fn, isolate = resolve_reward(self.reward_name), False
-        self._reward = RewardRunner(fn, name=self.reward_name, timeout_s=cfg.reward_timeout_s,
-                                    on_error=cfg.reward_errors, isolate=isolate)
+        self._reward = RewardRunner(
+            fn, name=self.reward_name, timeout_s=cfg.reward_timeout_s, on_error=cfg.reward_errors,
+            isolate=isolate,
+            process_spec=cfg.reward_fn if (cfg.reward_fn and cfg.reward_isolation == "process") else None)
         self._grader = resolve_reward(self.grader_name)
         self._cache: dict[tuple[int, str], list[int]] = {}
         self.num_truncated = 0
@@ -42,6 +44,10 @@ class Task:
     def __repr__(self) -> str:
         return (f"Task({self.name!r}, train={len(self.train)}, eval={len(self.eval)}, "
                 f"reward={self.reward_name!r}, grader={self.grader_name!r})")
+
+    def close(self) -> None:
+        """Release the reward worker process (reward_isolation="process"); the task stays usable."""
+        self._reward.close()
 
     def prompt_text(self, tokenizer, example: Example) -> str:
         """The text the model is conditioned on: the chat template around `example.prompt` (with the
