@@ -60,3 +60,17 @@ def test_rtol_follows_dtype():
 def test_errors(bad, k, msg):
     with pytest.raises(ValueError, match=msg):
         update_spectrum(bad, k)
+
+
+def test_gram_path_matches_svd():
+    # a 40×30 fp32 matrix has rtol = 40·eps32 ≈ 4.8e-6 ≥ 1e-6: the Gram path; compare with an explicit SVD
+    gen = torch.Generator().manual_seed(3)
+    delta = (torch.randn(40, 3, generator=gen) @ torch.randn(3, 30, generator=gen)
+             + 1e-3 * torch.randn(40, 30, generator=gen))
+    spec = update_spectrum(delta, 3)
+    ref = torch.linalg.svdvals(delta.double())
+    assert torch.allclose(spec.singular_values, ref, rtol=1e-7)  # Gram: δσ ≈ eps·σ_max²/σ
+    e = ref ** 2
+    assert spec.metrics["energy_top_k"] == pytest.approx(float(e[:3].sum() / e.sum()), rel=1e-12)
+    assert spec.metrics["numerical_rank"] == 30
+    assert update_spectrum(delta, 3, rtol=1e-2).metrics["numerical_rank"] == 3

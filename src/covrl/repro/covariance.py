@@ -17,6 +17,7 @@ Sections:
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -219,7 +220,7 @@ def _drift_section(result, cfg: Settings, seed: int) -> dict:
             p1 = torch.softmax(t1, 0)
             rewards.append(float(p1 @ reward))
             p2 = torch.softmax(t2, 1)
-            kl.append(float((p1[:, None] * p2 * (p2.log() + torch.log(torch.tensor(float(V))))).sum()))
+            kl.append(float((p1[:, None] * p2 * (p2.log() + math.log(V))).sum()))
         out[name] = {"second_token_move": moves, "reward": rewards, "kl_second_token_from_uniform": kl,
                      "path_length": path}
     T = cfg.drift_steps

@@ -11,7 +11,7 @@ Sections:
 3. Shared structure: the same rare, best response under a reward that is linear in response features. With
    feature-based logits the common responses carry the direction of the rare one, and policy gradient reaches it
    far faster than with one logit per response.
-4. A tiny transformer (briefly SFT-trained on addition, fp64) and its own samples: for every pair of six
+4. A tiny transformer (briefly SFT-trained on addition, fp64) and its own samples: for every pair of six (fast: four)
    responses the realised rate is within the bound, and the predicted log-odds change η·⟨d, g⟩ matches one
    small SGD step θ ← θ + η g.
 """
@@ -38,10 +38,11 @@ class Settings:
     feature_p0: float = 1e-3
     max_steps: int = 50_000
     lm_batch: int = 32
+    lm_candidates: int = 6
     sgd_target: float = 0.01
 
 
-FAST = Settings(p0s=(1e-2, 1e-3, 1e-4), lm_batch=12)
+FAST = Settings(max_steps=20_000, lm_batch=12, lm_candidates=4)
 FULL = Settings()
 
 
@@ -277,10 +278,10 @@ def _transformer_section(result, cfg: Settings, seed: int, fast: bool) -> dict:
     P = prompts.shape[1]
     batch = {"input_ids": ids, "score_mask": score_mask(len(ids), ids.shape[1], P)}
 
-    # six responses: three samples and three built ones (the right answer, a wrong one, a format break)
+    # candidate responses: half sampled, half built (the right answer, a wrong one, a format break)
     a, b = pairs[0]
-    built = [addition_text(a, b)[1], f"{(a + b + 37) % 1000:03d}\n", "+=+="]
-    cands = [ids[i, P:] for i in range(3)]
+    built = [addition_text(a, b)[1], f"{(a + b + 37) % 1000:03d}\n", "+=+="][: cfg.lm_candidates // 2]
+    cands = [ids[i, P:] for i in range(cfg.lm_candidates - len(built))]
     cands += [torch.tensor(tok.encode(t, add_special_tokens=False)) for t in built]
     seqs = []
     for c in cands:

@@ -292,7 +292,8 @@ def _figure(out_dir: Path, cfg: Settings, toy, lm_cap, lm) -> str:
     ax[1].plot(lim, lim, color="k", lw=1, label="cap std(A)·sqrt(F_ii)")
     ax[1].set_xlabel("cap")
     ax[1].set_ylabel("|gradient coordinate|")
-    ax[1].set_title(f"top-{cfg.top_k} sampler, exact")
+    ax[1].set_title(f"top-{cfg.top_k} sampler, exact: {toy['caps']['topk_uncentred']:.1%} of uncentred coords "
+                    "over the cap", fontsize=9)
     ax[1].legend(fontsize=7)
     labels = list(lm_cap)
     ax[2].bar(range(len(labels)), [lm_cap[k]["over_cap_frac"] for k in labels])
