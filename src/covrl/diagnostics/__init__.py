@@ -12,6 +12,8 @@ _EXPORTS = {
     "reach_bound": "covrl.diagnostics.reach",
     "fisher_cap": "covrl.diagnostics.fisher",
     "covariance_split": "covrl.diagnostics.fisher",
+    "fisher_diagonal": "covrl.diagnostics.fisher",
+    "concentration": "covrl.diagnostics.fisher",
     "update_sparsity": "covrl.diagnostics.sparsity",
     "tangent_remainder": "covrl.diagnostics.tangent",
     "GradientNoiseMonitor": "covrl.diagnostics.noise",
