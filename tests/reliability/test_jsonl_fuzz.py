@@ -201,28 +201,19 @@ def test_overlong_prompt_met_mid_run_stops_with_a_clear_message(tmp_path, capsys
     assert "exceeds task.max_prompt_tokens=100" in err and "Traceback" not in err
 
 
-@pytest.mark.xfail(strict=True, reason="the model's own context (max_position_embeddings) is not checked against "
-                   "task.max_prompt_tokens + sampler.max_new_tokens: a 304-token prompt runs through a model "
-                   "built for 64 positions (RoPE extrapolates silently) instead of being truncated/rejected")
-def test_prompts_beyond_the_model_context_are_truncated_or_rejected(tmp_path):
+def test_prompts_beyond_the_model_context_are_rejected_with_a_clear_message(tmp_path, capsys):
+    """task.max_prompt_tokens (default 512) above the model's context (tiny: 64 positions): a 304-token prompt
+    used to run through RoPE extrapolation silently; the sampler now refuses it, naming both limits."""
     import torch
 
     from covrl.config import load_config
-    from covrl.train.run import prepare_run
+    from covrl.train.cli import train_from_config
 
     torch.set_num_threads(1)
     long_task(tmp_path)
     cfg = load_config(HERE.parents[1] / "configs" / "tiny.yaml", tiny_overrides(
         tmp_path, "context", "task.name=jsonl", f"task.path={tmp_path / 'long.jsonl'}", "task.n_eval=1",
         "task.n_train=8"))
-    try:
-        run = prepare_run(cfg, console=False)
-    except ValueError as err:  # rejected at start-up, naming the limit: fine
-        assert "max_position" in str(err) or "context" in str(err)
-        return
-    try:
-        context = run.model.config.max_position_embeddings
-        longest = max(len(run.task.encode(run.tokenizer, ex)) for ex in run.task.train)
-        assert longest + cfg.sampler.max_new_tokens <= context
-    finally:
-        run.close()
+    assert train_from_config(cfg) == 2
+    err = capsys.readouterr().err
+    assert "max_position_embeddings=64" in err and "task.max_prompt_tokens" in err and "Traceback" not in err
