@@ -60,7 +60,7 @@ def load_agent(path: str | Path, **overrides: Any) -> BanditAgent:
     serialised (e.g. a custom `feature_extractor` module; its weights are restored from the state)."""
     for module in _AGENT_MODULES:
         importlib.import_module(module)
-    payload = torch.load(Path(path), weights_only=False)
+    payload = torch.load(Path(path), weights_only=True)  # never unpickle arbitrary objects
     name = payload["class"]
     if name not in AGENT_CLASSES:
         raise ValueError(f"saved agent class {name!r} is not known; known: {', '.join(sorted(AGENT_CLASSES))}")

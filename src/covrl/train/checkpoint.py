@@ -101,7 +101,10 @@ def load_model_weights(model, directory: Path) -> None:
         raise CheckpointError(f"{directory}: no *.safetensors weights found")
     state: dict[str, torch.Tensor] = {}
     for f in files:
-        state.update(load_file(str(f)))
+        try:
+            state.update(load_file(str(f)))
+        except Exception as err:  # a truncated/corrupt file: SafetensorError names no file
+            raise CheckpointError(f"{f}: unreadable weights ({err})") from None
     missing, unexpected = model.load_state_dict(state, strict=False)
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
     if isinstance(getattr(model, "_tied_weights_keys", None), dict):
@@ -177,7 +180,13 @@ def load_state(path: Path) -> dict[str, Any]:
     path = Path(path)
     if not is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker or {STATE_FILE})")
-    return torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
+    try:
+        return torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
+    except Exception as err:  # torch's own message suggests weights_only=False: never for a file we cannot trust
+        first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
+        raise CheckpointError(f"{path / STATE_FILE} is corrupt or holds more than tensors/numbers/strings "
+                              f"({first[:200]}); it is not unpickled. Resume from an older checkpoint by "
+                              f"moving this folder away") from None
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:

@@ -73,7 +73,7 @@ def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
     prepare_fn, train_fn = loop_functions(cfg.loop.mode)   # sync: prepare_run + train_sync
     try:
         run_state = prepare_fn(cfg, config_path=config_path, resume=resume)
-    except (ModelNotFoundError, FileNotFoundError, ValueError) as err:
+    except (ModelNotFoundError, FileNotFoundError, ValueError, CheckpointError) as err:
         _print_err(str(err))
         return 2
     print(f"run folder: {run_state.run_dir}" + (f" (resumed from {run_state.resumed_from})"
