@@ -2,8 +2,10 @@
 
 The "hf" backend runs its own decode loop over a transformers causal LM with a KV cache:
 
-- prompts are left-padded (attention mask + position ids = running count of real tokens), the prompt is
-  prefilled once and only the last position's logits are computed (`logits_to_keep=1`);
+- prompts are left-padded (attention mask + position ids = running count of real tokens); each DISTINCT
+  prompt is prefilled once and its KV cache repeated for its n samples; only the last position's logits are
+  computed (`logits_to_keep=1`); a prompt that with `max_new_tokens` exceeds the model's context
+  (max_position_embeddings) is refused (PromptTooLongError) rather than run through RoPE extrapolation;
 - each step takes the logits z (computed in the sampler's dtype), upcasts to fp32 and forms the SAMPLING
   distribution q: z / temperature, then top-k (keep the k largest logits; ties at the k-th value kept), then
   top-p (keep the smallest prefix of the sorted distribution whose mass reaches p), renormalised:
