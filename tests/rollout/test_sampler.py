@@ -228,3 +228,34 @@ def test_lora_model_sampler_copy_matches_forward():
     sampler.load_weights({k: v.clone() for k, v in model.state_dict().items()}, version=3)  # a state dict
     batch = sampler.generate(PROMPTS, 2, generator=torch.Generator().manual_seed(0))
     assert torch.allclose(batch.sampler_logprobs, recompute_logprobs(model, batch, cfg), atol=2e-5)
+
+
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.floats(-8, 8), min_size=2, max_size=12), st.floats(0.2, 3.0), st.integers(0, 14),
+       st.floats(0.05, 1.0))
+def test_filter_properties(values, temperature, top_k, top_p):
+    """Normalised on the kept set; top-k keeps >= min(k, V) tokens (ties), all >= the k-th logit; the nucleus
+    is minimal: dropping its least likely token leaves mass < top_p, while the kept mass (before
+    renormalising) reaches top_p."""
+    z = torch.tensor([values], dtype=torch.float32)
+    lq = filtered_logprobs(z, temperature, top_k, top_p)
+    kept = torch.isfinite(lq[0])
+    assert abs(lq[0][kept].exp().sum().item() - 1.0) < 1e-5
+    after_k = filtered_logprobs(z, temperature, top_k, 1.0)
+    kept_k = torch.isfinite(after_k[0])
+    if 0 < top_k < len(values):
+        assert kept_k.sum() >= top_k
+        scaled = z[0] / temperature if temperature != 1.0 else z[0]
+        kth = torch.topk(scaled, top_k).values[-1]
+        assert (scaled[kept_k] >= kth).all()
+    else:
+        assert kept_k.all()
+    if top_p < 1.0:
+        p = after_k[0].exp()  # the distribution the nucleus is cut from
+        mass = p[kept].sum().item()
+        assert mass >= top_p - 1e-6
+        assert mass - p[kept].min().item() < top_p + 1e-6
