@@ -1,0 +1,156 @@
+"""Faults in the asynchronous loop (covrl.train.async_loop): the rollout queue and the chunks in flight are
+saved with every checkpoint, so a dead process or a dead sampler worker loses nothing.
+
+- the trainer process dies mid-run (emulated async schedule, staleness 1: the queue holds rollouts of an older
+  policy at the checkpoint): the resumed run equals the uninterrupted one bit for bit;
+- the sampler thread dies: the run stops (no restart), the checkpoints stay complete, and `--resume`
+  finishes with every step trained once;
+- Ray (slow, `-m "slow and ray"`): a sampler actor is killed mid-run; same expectations."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from _reliability_tiny import TINY, comparable, final_weights, metrics, tiny_overrides
+
+from covrl.config import load_config
+from covrl.train import checkpoint as ckpt
+
+
+class ProcessDied(BaseException):
+    """Stands in for SIGKILL in-process: nothing is written after it (no summary, no checkpoint)."""
+
+
+def overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
+    return tiny_overrides(tmp_path, name, "logging.console=false", "sft_warmup.steps=0", "loop.mode=async",
+                          "async_loop.chunk_prompts=2", *extra)
+
+
+def run(tmp_path: Path, name: str, *extra: str, resume: bool = False) -> int:
+    from covrl.train.cli import train_from_config
+
+    torch.set_num_threads(1)
+    return train_from_config(load_config(TINY, overrides(tmp_path, name, *extra)), resume=resume)
+
+
+def assert_clock(run_dir: Path, steps: int = 4, rows: int = 16) -> None:
+    records = metrics(run_dir)
+    assert [r["step"] for r in records] == list(range(1, steps + 1))
+    assert [r["rollouts"] for r in records] == [float(rows * (i + 1)) for i in range(steps)]
+    state = ckpt.load_state(ckpt.latest_checkpoint(run_dir))
+    assert state["trainer"]["rollouts"] == steps * rows
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "completed"
+
+
+def test_process_death_with_a_full_queue_resumes_bit_exactly(tmp_path, monkeypatch):
+    from covrl.train import trainer as trainer_module
+
+    assert run(tmp_path, "ref", "async_loop.emulate=true") == 0
+    real_step = trainer_module.Trainer.step
+    calls = {"n": 0}
+
+    def dying_step(self, batch):
+        calls["n"] += 1
+        if calls["n"] == 3:  # after checkpoint 32; the queue holds step-3 rollouts of policy version 1
+            raise ProcessDied
+        return real_step(self, batch)
+
+    monkeypatch.setattr(trainer_module.Trainer, "step", dying_step)
+    with pytest.raises(ProcessDied):
+        run(tmp_path, "victim", "async_loop.emulate=true")
+    monkeypatch.undo()
+    saved = ckpt.load_state(ckpt.latest_checkpoint(tmp_path / "victim"))
+    queue = saved["async"]["manager"]["chunks"] if "async" in saved else None
+    assert queue, f"the checkpoint holds no rollout queue (keys: {sorted(saved)})"
+    assert run(tmp_path, "victim", "async_loop.emulate=true", resume=True) == 0
+    assert_clock(tmp_path / "victim")
+    assert [comparable(r) for r in metrics(tmp_path / "victim")] == [comparable(r) for r in metrics(tmp_path / "ref")]
+    got, want = final_weights(tmp_path / "victim"), final_weights(tmp_path / "ref")
+    assert all(torch.equal(got[k], want[k]) for k in want)
+
+
+def _kill_sampler_thread_at_call(monkeypatch, n: int) -> None:
+    from covrl.rollout import sampler as sampler_module
+
+    real = sampler_module.HFSampler.generate
+    calls = {"n": 0}
+
+    def generate(self, *args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise RuntimeError("sampler worker died (injected)")
+        return real(self, *args, **kwargs)
+
+    monkeypatch.setattr(sampler_module.HFSampler, "generate", generate)
+
+
+def test_sampler_thread_death_stops_the_run_and_the_queue_survives(tmp_path, monkeypatch):
+    _kill_sampler_thread_at_call(monkeypatch, 3)
+    with pytest.raises(RuntimeError, match="async sampler worker failed: .*sampler worker died"):
+        run(tmp_path, "dead-sampler")
+    monkeypatch.undo()
+    run_dir = tmp_path / "dead-sampler"
+    assert ckpt.list_checkpoints(run_dir), "no complete checkpoint survived"
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert run(tmp_path, "dead-sampler", resume=True) == 0
+    assert_clock(run_dir)
+
+
+@pytest.mark.xfail(strict=True, reason="a dead sampler worker surfaces as a bare RuntimeError traceback from "
+                   "`covrl train` (covrl.train.async_loop.AsyncState.raise_if_failed is not caught by "
+                   "covrl.train.cli.train_from_config) and summary.json keeps status 'running'; the worker is "
+                   "not restarted")
+def test_sampler_thread_death_ends_covrl_train_cleanly(tmp_path, monkeypatch, capsys):
+    _kill_sampler_thread_at_call(monkeypatch, 3)
+    rc = run(tmp_path, "dead-sampler-cli")           # must return an exit code, not raise
+    assert rc != 0 and "sampler" in capsys.readouterr().err
+    status = json.loads((tmp_path / "dead-sampler-cli" / "summary.json").read_text())["status"]
+    assert status != "running"
+
+
+@pytest.mark.slow
+@pytest.mark.ray
+def test_ray_sampler_actor_killed_mid_run_then_resume(tmp_path, monkeypatch):
+    ray = pytest.importorskip("ray")
+    import shutil
+    import tempfile
+    import threading
+
+    from covrl.train import ray_backend
+
+    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
+    temp = Path(tempfile.mkdtemp(prefix="covrl-ray-"))
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False)
+    try:
+        extra = ("loop.mode=ray", "async_loop.trainer_actor=false", "async_loop.sampler_cpus=1",
+                 "loop.steps=6")
+        real_start = ray_backend.start_sampler_actors
+        killed = {}
+
+        def start_and_schedule_kill(cfg):
+            actors = real_start(cfg)
+            timer = threading.Timer(4.0, lambda: (ray.kill(actors[0]), killed.setdefault("at", True)))
+            timer.daemon = True
+            timer.start()
+            return actors
+
+        monkeypatch.setattr(ray_backend, "start_sampler_actors", start_and_schedule_kill)
+        try:
+            rc = run(tmp_path, "ray", *extra)
+        except Exception as err:  # noqa: BLE001 - what a dead actor looks like today
+            rc = f"{type(err).__name__}: {err}"
+        monkeypatch.setattr(ray_backend, "start_sampler_actors", real_start)
+        run_dir = tmp_path / "ray"
+        if rc == 0:  # the run outlived the actor (restart) or finished before the kill
+            assert_clock(run_dir, steps=6)
+            return
+        assert killed, f"the run failed before the actor was killed: {rc}"
+        assert ckpt.list_checkpoints(run_dir), f"no complete checkpoint survived ({rc})"
+        assert run(tmp_path, "ray", *extra, resume=True) == 0
+        assert_clock(run_dir, steps=6)
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)
