@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import shutil
 import signal
 import subprocess
 import sys
@@ -154,12 +155,26 @@ def test_random_kill_points_never_lose_or_duplicate_work(tmp_path):
             rc, _, err = finish(start(tmp_path, name, fault=f"{kind}:{n}"))
         row["kills"] += rc == -signal.SIGKILL
         row["resumed_from"] = []
+        row["steps_redone"] = 0
+        row["restarted_fresh"] = False
         while rc != 0:
             assert rc == -signal.SIGKILL, err
+            logged_at_kill = len(metrics(run_dir))
             rc, out, err = finish(start(tmp_path, name, resume=True))
             row["resumes"] += 1
-            row["resumed_from"] += [line.split("resumed from ")[-1].rstrip(")").split("/")[-1]
-                                    for line in out.splitlines() if "resumed from" in line]
+            if rc == 2 and "holds no complete checkpoint" in err:
+                # killed before the first checkpoint was complete: nothing to resume from (a clear refusal);
+                # what a user does next: start the run again from scratch
+                row["restarted_fresh"] = True
+                row["steps_redone"] += logged_at_kill
+                shutil.rmtree(run_dir)
+                rc, out, err = finish(start(tmp_path, name))
+                continue
+            resumed = [line.split("resumed from ")[-1].rstrip(")").split("/")[-1]
+                       for line in out.splitlines() if "resumed from" in line]
+            row["resumed_from"] += resumed
+            if resumed:
+                row["steps_redone"] += logged_at_kill - int(resumed[0][len(ckpt.PREFIX):]) // ROWS
             assert row["resumes"] <= 3, err
         a = audit(run_dir)
         same_weights = all(torch.equal(x, y) for x, y in zip(final_weights(run_dir).values(),
