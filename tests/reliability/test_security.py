@@ -39,8 +39,8 @@ def keyword(call: ast.Call, name: str):
     return next((k.value for k in call.keywords if k.arg == name), None)
 
 
-def scan(path: Path) -> list[str]:
-    rel = path.relative_to(SRC).as_posix()
+def scan(path: Path, rel: str | None = None) -> list[str]:
+    rel = rel or path.relative_to(SRC).as_posix()
     tree = ast.parse(path.read_text(encoding="utf-8"), filename=str(path))
     found = []
     for node in ast.walk(tree):
@@ -77,17 +77,14 @@ def scan(path: Path) -> list[str]:
     return found
 
 
-def test_the_scanner_catches_what_it_looks_for(tmp_path, monkeypatch):
-    bad = SRC / "tasks" / "__scan_probe__.py"
+def test_the_scanner_catches_what_it_looks_for(tmp_path):
+    bad = tmp_path / "probe.py"
     code = ("import pickle\nimport yaml, torch, os, subprocess\neval('1')\nexec('x=1')\ntorch.load('f')\n"
             "torch.load('f', weights_only=False)\nyaml.load(s, Loader=yaml.Loader)\nyaml.unsafe_load(s)\n"
             "os.system('ls')\nsubprocess.run('ls', shell=True)\nf(trust_remote_code=True)\n"
             "importlib.util.spec_from_file_location('m', 'p')\nobj.eval()\nmodel.exec_module(m)\n")
     bad.write_text(code)
-    try:
-        found = scan(bad)
-    finally:
-        bad.unlink()
+    found = scan(bad, rel="tasks/probe.py")
     assert len(found) == 11, found  # everything but the last two lines (methods named eval/exec_module)
 
 
