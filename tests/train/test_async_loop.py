@@ -69,10 +69,12 @@ def sync_reference(tmp_path_factory):
     return cfg, read_jsonl(run.run_dir / "metrics.jsonl"), summary
 
 
-@pytest.mark.parametrize("emulate", [False, True], ids=["thread", "serial"])
-def test_staleness_zero_equals_sync(sync_reference, emulate):
+@pytest.mark.parametrize("backend", ["thread", "serial", "process"])
+def test_staleness_zero_equals_sync(sync_reference, backend):
     cfg, sync_records, sync_summary = sync_reference
-    run, summary = run_async(cfg, f"async0-{emulate}", AsyncLoopConfig(max_staleness_steps=0, emulate=emulate))
+    acfg = AsyncLoopConfig(max_staleness_steps=0, emulate=backend == "serial",
+                           local_backend="process" if backend == "process" else "thread")
+    run, summary = run_async(cfg, f"async0-{backend}", acfg)
     records = read_jsonl(run.run_dir / "metrics.jsonl")
     assert len(records) == len(sync_records) == cfg.loop.steps
     assert comparable(records) == comparable(sync_records)
@@ -128,9 +130,10 @@ def test_concat_batches_keeps_rows_and_groups():
     assert c.rewards.tolist() == [1.0] * 4 + [0.0] * 3
 
 
-def test_queue_survives_resume(tmp_path, emulate=True):
+def test_queue_survives_resume(tmp_path):
     """Stop after 2 steps (checkpoint holds queued rollouts), resume, finish: the prompts trained are the stream
     in order, each once; in the deterministic (serial) schedule the resumed run equals the uninterrupted one."""
+    emulate = True
     torch.set_num_threads(1)
     cfg = tiny_cfg(tmp_path, steps=4, **{"checkpoint.every_rollouts": 16})
     acfg = AsyncLoopConfig(max_staleness_steps=1, emulate=emulate, chunk_prompts=2)

@@ -1,4 +1,4 @@
-"""`covrl bench async`: rollouts per second of the async loops (local sampler thread, Ray sampler actor) against
+"""`covrl bench async`: rollouts per second of the async loops (local sampler thread or process, Ray sampler actor) against
 the sync loop, on the same model, task, batch and number of steps, in one process, with staleness statistics.
 
 Each mode trains from the same initial weights for the same number of steps; the clock runs over the training
@@ -30,7 +30,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-new-tokens", type=int, default=8)
     parser.add_argument("--staleness", type=int, default=1, help="async staleness bound in steps")
     parser.add_argument("--chunk-prompts", type=int, default=None, help="prompts per generate call (async)")
-    parser.add_argument("--modes", default="sync,async,ray", help="comma-separated subset of sync,async,ray")
+    parser.add_argument("--modes", default="sync,async,process,ray",
+                        help="comma-separated subset of sync, async (sampler thread), process (sampler process), ray")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--sft-steps", type=int, default=20, help="supervised warm-up (tiny model) so rewards vary")
     parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
@@ -42,7 +43,8 @@ def _config(args, mode: str, run_root: Path):
 
     over = {
         "run.output_dir": str(run_root), "run.name": f"bench-{mode}", "run.num_threads": args.threads,
-        "loop.mode": mode, "loop.steps": args.steps, "loop.prompts_per_step": args.prompts_per_step,
+        "loop.mode": "async" if mode == "process" else mode, "loop.steps": args.steps,
+        "async_loop.local_backend": "process" if mode == "process" else "thread", "loop.prompts_per_step": args.prompts_per_step,
         "loop.group_size": args.group_size, "sampler.max_new_tokens": args.max_new_tokens,
         "sampler.max_batch": args.prompts_per_step * args.group_size, "sampler.share_weights": "never",
         "eval.before": False, "eval.after": False, "checkpoint.at_end": False, "logging.console": False,
@@ -75,7 +77,7 @@ def _measure(mode: str, cfg, records_key: str = "metrics.jsonl") -> dict:
         summary = train_sync(run)
         wall = time.perf_counter() - t0
         run.close()
-    elif mode == "async":
+    elif mode in ("async", "process"):
         run = prepare_async_run(cfg, console=False)
         t0 = time.perf_counter()
         summary = train_async(run)
@@ -98,7 +100,11 @@ def _measure(mode: str, cfg, records_key: str = "metrics.jsonl") -> dict:
                 import ray
 
                 ray.shutdown()
+    import gc
+
     records = read_jsonl(run.run_dir / records_key)
+    del run
+    gc.collect()        # free this mode's model, optimizer state and sampler copy before the next mode
     rollouts = sum(int(r.get("batch_rows", 0)) for r in records)
     out.update({"steps": len(records), "rollouts": rollouts, "loop_s": wall, "rollouts_per_s": rollouts / wall,
                 "load1": os.getloadavg()[0]})
@@ -125,12 +131,12 @@ def run(args: argparse.Namespace) -> int:
     if args.quick:
         args.model, args.steps, args.prompts_per_step, args.group_size = "tiny", 3, 4, 4
         args.max_new_tokens, args.sft_steps = 4, 5
-        args.modes = ",".join(m for m in args.modes.split(",") if m != "ray")
+        args.modes = ",".join(m for m in args.modes.split(",") if m not in ("ray", "process"))
     torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in ("sync", "async", "ray")]
+    unknown = [m for m in modes if m not in ("sync", "async", "process", "ray")]
     if unknown:
-        raise SystemExit(f"unknown mode(s) {unknown}; choose from sync, async, ray")
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from sync, async, process, ray")
     if "ray" in modes:
         try:
             import ray  # noqa: F401

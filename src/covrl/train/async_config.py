@@ -28,19 +28,23 @@ class AsyncLoopConfig(BaseModel):
     chunk_prompts: int | None = Field(
         None, ge=1, description="prompts per generate call (a chunk, whole groups); must divide "
                                 "loop.prompts_per_step; None = loop.prompts_per_step")
+    local_backend: Literal["thread", "process"] = Field(
+        "thread", description="loop.mode=async: the sampler in a thread of the trainer's process, or in "
+                              "num_samplers spawned processes (own torch thread budget, no shared GIL)")
     emulate: bool = Field(
         False, description="run the async schedule in one thread (the sampler fills the queue up to the bound "
                            "before every step): deterministic, for experiments; no speed-up")
     sampler_threads: int | None = Field(
-        None, ge=1, description="torch CPU threads of each sampler worker (Ray actors); None = the torch default "
-                                "(threads inside one process share run.num_threads)")
+        None, ge=1, description="torch CPU threads of each sampler process (Ray actor or local process); None = "
+                                "sampler_cpus (a sampler thread shares the trainer's run.num_threads)")
     floor_probe_every: int = Field(
         0, ge=0, description="every this many chunks, measure the engine floor: kl_seq between the sampler and an "
                              "fp32 forward at the same weights on the chunk just generated (0: never)")
     ray_address: str | None = Field(
         None, description="Ray cluster to join (ray.init(address=...)), e.g. 'auto' or 'ray://head:10001'; "
                           "None = start a local Ray instance")
-    num_samplers: int = Field(1, ge=1, description="Ray sampler actors generating in parallel")
+    num_samplers: int = Field(1, ge=1, description="sampler workers generating in parallel (Ray actors, or "
+                                                   "processes with local_backend=process)")
     sampler_cpus: float = Field(1.0, gt=0, description="CPUs reserved per Ray sampler actor")
     sampler_gpus: float = Field(0.0, ge=0, description="GPUs reserved per Ray sampler actor")
     trainer_actor: bool = Field(

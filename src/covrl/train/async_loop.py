@@ -475,7 +475,8 @@ def _step_record(run, trainer, batch: RolloutBatch, res: TakeResult, metrics: di
 def train_async(run, *, acfg: AsyncLoopConfig | None = None, pool: str | None = None,
                 stop_after: int | None = None, pool_factory=None) -> dict[str, Any]:
     """Run the async loop until `loop.steps` steps are done (or `stop_after` more steps). `pool`: "thread"
-    (default for loop.mode=async), "serial" (`async_loop.emulate`), or a `pool_factory(state)` (Ray).
+    or "process" (`async_loop.local_backend`), "serial" (`async_loop.emulate`), or a `pool_factory(state)`
+    (Ray).
     Evaluation and checkpoints follow the data clock exactly as in the sync loop. Returns the summary."""
     from covrl.train import checkpoint as ckpt
     from covrl.train.trainer import TrainingDivergedError
@@ -495,7 +496,13 @@ def train_async(run, *, acfg: AsyncLoopConfig | None = None, pool: str | None = 
     # the sampler holds the trainer's (checkpoint) weights at the trainer's version
     run.sampler.load_weights(run.model, trainer.version)
     start_consumed = state.start_consumed = state.manager.consumed
-    pool_name = pool or ("serial" if acfg.emulate else "thread")
+    pool_name = pool or ("serial" if acfg.emulate else acfg.local_backend)
+    if pool_factory is None and pool_name == "process":
+        from covrl.train.worker_pool import ProcessPool
+
+        pool_factory = ProcessPool
+    if pool_factory is None and pool_name not in POOLS:
+        raise ValueError(f"unknown async pool {pool_name!r}; allowed: {', '.join([*POOLS, 'process'])}")
     worker_pool = pool_factory(state) if pool_factory is not None else POOLS[pool_name](state)
     state.num_samplers = getattr(worker_pool, "num_samplers", 1)
     if hasattr(worker_pool, "load_extra_state"):

@@ -1,0 +1,316 @@
+"""Sampler workers in other processes: the generation core shared by Ray actors and local worker processes, and
+the dispatcher that feeds them chunks through the staleness queue.
+
+- `SamplerWorker`: builds the model shape, task and sampler from the run config; weights arrive with the first
+  chunk. `generate` is a pure function of (weights, version, prompts, generator state): the generator state
+  before a chunk is sent with it and the state after it comes back, so any worker can regenerate any chunk
+  exactly and the trainer side's checkpoint holds every worker's RNG position.
+- `DispatchPool`: a dispatcher thread on the trainer side; whenever a worker is idle and admission allows, it
+  gets the next chunk (one chunk in flight per worker). Subclasses say how weights and calls travel:
+  `ProcessPool` (local processes, `async_loop.local_backend=process`) and `covrl.train.ray_backend.RayPool`.
+"""
+
+from __future__ import annotations
+
+import os
+import queue as queue_lib
+import threading
+import time
+import traceback
+from typing import Any
+
+import torch
+
+from covrl.train.async_loop import AsyncState, build_async_sampler, clone_weights, floor_probe, generate_chunk
+
+__all__ = ["DispatchPool", "ProcessPool", "SamplerWorker", "sampler_seed"]
+
+
+def sampler_seed(seed: int, rank: int) -> int:
+    """Sampler `rank`'s generator seed; rank 0 uses the run seed (as the local loops' generator does)."""
+    return int(seed) + 7919 * int(rank)
+
+
+class SamplerWorker:
+    """One generation worker (a Ray actor or a local process)."""
+
+    def __init__(self, cfg_dict: dict, rank: int):
+        from covrl.models import load_model
+        from covrl.tasks import build_task
+        from covrl.train.config import TrainConfig
+
+        cfg = TrainConfig.model_validate(cfg_dict)
+        acfg = cfg.async_loop
+        torch.set_num_threads(acfg.sampler_threads or max(1, int(acfg.sampler_cpus)))
+        self.cfg = cfg
+        self.rank = rank
+        model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)
+        if cfg.run.device != "cpu" and torch.cuda.is_available():
+            model.to("cuda")
+        self.tokenizer = tokenizer
+        self.task = build_task(cfg.task)
+        self.sampler = build_async_sampler(cfg.sampler, model, tokenizer)
+        self.sampler.version = -1
+        self._reference = None
+        self.generator = torch.Generator()
+
+    def ready(self) -> int:
+        return os.getpid()
+
+    def generate_with(self, weights: dict | None, version: int, examples: list, positions: list[int],
+                      rng_state: torch.Tensor, probe: bool) -> dict[str, Any]:
+        """Load `weights` if given (sent when this worker's are older, and with every probe chunk), generate and
+        score one chunk from `rng_state`; returns the scored batch, the generator state after it, the busy
+        time and (when `probe`) the engine floor measured at these weights."""
+        t0 = time.perf_counter()
+        if weights is not None and version != self.sampler.version:
+            self.sampler.load_weights(weights, version)
+        self.generator.set_state(rng_state)
+        batch, task_metrics = generate_chunk(self.sampler, self.task, self.tokenizer, examples, positions,
+                                             self.cfg.loop.group_size, self.generator, version)
+        floor = None
+        if probe and weights is not None:
+            if self._reference is None:      # the trainer's dtype, for the engine-floor probe
+                from covrl.models import load_model
+
+                self._reference = load_model(self.cfg.model, seed=self.cfg.run.seed)[0].eval()
+            self._reference.load_state_dict(weights, strict=True)
+            floor = floor_probe(self._reference, batch, float(self.cfg.sampler.temperature))
+        batch.info["task_metrics"] = task_metrics
+        return {"batch": batch, "rng_after": self.generator.get_state(), "busy_s": time.perf_counter() - t0,
+                "floor": floor, "pid": os.getpid()}
+
+
+class DispatchPool:
+    """Dispatcher thread + one chunk in flight per worker. Subclasses implement `_put_weights`, `_submit`,
+    `_poll` and `_collect`."""
+
+    name = "workers"
+
+    def __init__(self, state: AsyncState, num_workers: int):
+        self.state = state
+        self.num_samplers = num_workers
+        seed = state.run.cfg.run.seed
+        self.worker_rng = [torch.Generator().manual_seed(sampler_seed(seed, r)).get_state()
+                           for r in range(num_workers)]
+        self.worker_version = [-1] * num_workers   # weights version each worker holds (-1: none sent yet)
+        self.idle_since = [time.perf_counter()] * num_workers
+        self.inflight: dict[Any, tuple[int, Any]] = {}
+        self.thread = threading.Thread(target=self._loop, name=f"covrl-{self.name}-dispatch", daemon=True)
+
+    # -- transport (subclasses) ------------------------------------------------------------------------------
+    def _put_weights(self, weights: dict) -> Any:
+        raise NotImplementedError
+
+    def _submit(self, rank: int, weights_handle: Any, version: int, examples: list, positions: list[int],
+                rng: torch.Tensor, probe: bool) -> Any:
+        raise NotImplementedError
+
+    def _poll(self, timeout: float) -> list[tuple[Any, dict]]:
+        raise NotImplementedError
+
+    def _collect(self, call: Any, timeout: float) -> dict:
+        raise NotImplementedError
+
+    # -- checkpoint of the workers' RNG positions --------------------------------------------------------------
+    def extra_state(self) -> dict[str, Any]:
+        return {"worker_rng": list(self.worker_rng)}
+
+    def load_extra_state(self, saved: dict[str, Any] | None) -> None:
+        if saved:
+            rngs = saved.get("worker_rng", saved.get("actor_rng", []))
+            for r, s in enumerate(rngs[: len(self.worker_rng)]):
+                self.worker_rng[r] = s
+
+    # -- pool protocol -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.publish(self.state.run.model, self.state.run.trainer.version)
+        self.thread.start()
+
+    def publish(self, model, version: int) -> None:
+        handle = self._put_weights(clone_weights(model))
+        with self.state.cond:
+            self.state.published = (handle, int(version))
+            self.state.cond.notify_all()
+
+    def _dispatch(self) -> None:
+        """Under the lock: give every idle worker a chunk while admission allows."""
+        st = self.state
+        busy = {rank for rank, _ in self.inflight.values()}
+        handle, version = st.published
+        for rank in range(self.num_samplers):
+            if rank in busy:
+                continue
+            chunk = st.manager.try_start(st.chunk_rollouts, version,
+                                         meta={"rng_before": self.worker_rng[rank], "sampler": rank})
+            if chunk is None:
+                return
+            rng = chunk.meta.get("rng_before", self.worker_rng[rank])
+            chunk.meta["rng_before"] = rng
+            examples, positions = st.chunk_examples(chunk)
+            probe = bool(st.acfg.floor_probe_every) and st.chunks_generated % st.acfg.floor_probe_every == 0
+            send = handle if (self.worker_version[rank] != version or probe) else None
+            call = self._submit(rank, send, version, examples, positions, rng, probe)
+            self.worker_version[rank] = version
+            self.inflight[call] = (rank, chunk)
+            st.sampler_idle_s += time.perf_counter() - self.idle_since[rank]
+
+    def _complete(self, call: Any, result: dict) -> None:
+        st = self.state
+        with st.cond:
+            rank, chunk = self.inflight.pop(call)
+            self.worker_rng[rank] = result["rng_after"]
+            self.idle_since[rank] = time.perf_counter()
+            st.sampler_busy_s += result["busy_s"]
+            if result["floor"] is not None:
+                st.record_floor(result["floor"])
+            st.manager.complete(chunk, result["batch"])
+            st.chunks_generated += 1
+            st.cond.notify_all()
+
+    def _loop(self) -> None:
+        st = self.state
+        try:
+            while True:
+                with st.cond:
+                    if st.stop:
+                        return
+                    self._dispatch()
+                    if not self.inflight:
+                        st.cond.wait(timeout=0.5)
+                        continue
+                for call, result in self._poll(timeout=0.5):
+                    self._complete(call, result)
+        except BaseException as err:
+            st.fail(err)
+
+    def next_batch(self, trainer_version: int):
+        st = self.state
+        t0 = time.perf_counter()
+        with st.cond:
+            while not st.manager.ready(trainer_version):
+                st.raise_if_failed()
+                if not self.thread.is_alive():
+                    raise RuntimeError(f"the {self.name} dispatcher stopped")
+                st.cond.wait(timeout=1.0)
+            res = st.manager.take(trainer_version)
+            st.cond.notify_all()
+        st.trainer_idle_s += time.perf_counter() - t0
+        return res
+
+    def evaluate(self, label: str):
+        """Evaluation runs on the trainer side's own sampler (synced to the trainer's weights first)."""
+        run = self.state.run
+        if run.sampler.version < run.trainer.version:
+            run.sampler.load_weights(run.model, run.trainer.version)
+        return run.run_eval(label)
+
+    def stop(self) -> None:
+        st = self.state
+        with st.cond:
+            st.stop = True
+            st.cond.notify_all()
+        if self.thread.is_alive():
+            self.thread.join(timeout=600)
+        # let chunks already generating finish, so the final checkpoint holds them as finished
+        for call in list(self.inflight):
+            try:
+                result = self._collect(call, timeout=600)
+            except Exception:   # a lost worker: the chunk stays "running" and is generated again on resume
+                continue
+            self._complete(call, result)
+
+
+# ------------------------------------------------------------------------------------------ local processes
+
+def _process_main(cfg_dict: dict, rank: int, inbox, outbox) -> None:
+    """Worker process: build the worker, then serve (call id, weights, version, examples, positions, rng,
+    probe) requests until None."""
+    try:
+        worker = SamplerWorker(cfg_dict, rank)
+        outbox.put(("ready", rank, os.getpid()))
+    except BaseException:
+        outbox.put(("error", rank, traceback.format_exc()))
+        return
+    while True:
+        msg = inbox.get()
+        if msg is None:
+            return
+        call, weights, version, examples, positions, rng, probe = msg
+        try:
+            outbox.put(("done", call, worker.generate_with(weights, version, examples, positions, rng, probe)))
+        except BaseException:
+            outbox.put(("error", call, traceback.format_exc()))
+
+
+class ProcessPool(DispatchPool):
+    """`async_loop.num_samplers` local worker processes (spawned; each with its own torch thread budget,
+    `async_loop.sampler_threads`). Weights and rollouts travel through torch.multiprocessing queues (tensors
+    in shared memory)."""
+
+    name = "process"
+
+    def __init__(self, state: AsyncState):
+        import torch.multiprocessing as tmp
+
+        n = state.acfg.num_samplers
+        super().__init__(state, n)
+        ctx = tmp.get_context("spawn")
+        self.outbox = ctx.Queue()
+        self.inboxes = [ctx.Queue() for _ in range(n)]
+        cfg_dict = state.run.cfg.model_dump(mode="json")
+        self.procs = [ctx.Process(target=_process_main, args=(cfg_dict, r, self.inboxes[r], self.outbox),
+                                  daemon=True, name=f"covrl-sampler-{r}") for r in range(n)]
+        for p in self.procs:
+            p.start()
+        self._results: dict[Any, dict] = {}
+        self._calls = 0
+        ready = 0
+        while ready < n:
+            msg = self.outbox.get(timeout=600)
+            if msg[0] == "error":
+                self._terminate()
+                raise RuntimeError(f"sampler process {msg[1]} failed to start:\n{msg[2]}")
+            ready += 1
+
+    def _put_weights(self, weights: dict) -> Any:
+        return weights
+
+    def _submit(self, rank, weights_handle, version, examples, positions, rng, probe):
+        self._calls += 1
+        call = self._calls
+        self.inboxes[rank].put((call, weights_handle, version, examples, positions, rng, probe))
+        return call
+
+    def _receive(self, timeout: float) -> None:
+        msg = self.outbox.get(timeout=timeout)
+        if msg[0] == "error":
+            raise RuntimeError(f"sampler process failed on call {msg[1]}:\n{msg[2]}")
+        _, call, result = msg
+        self._results[call] = result
+
+    def _poll(self, timeout: float) -> list[tuple[Any, dict]]:
+        try:
+            self._receive(timeout)
+        except queue_lib.Empty:
+            pass
+        done = [(c, self._results.pop(c)) for c in list(self._results) if c in self.inflight]
+        return done
+
+    def _collect(self, call: Any, timeout: float) -> dict:
+        deadline = time.perf_counter() + timeout
+        while call not in self._results:
+            self._receive(max(0.1, deadline - time.perf_counter()))
+        return self._results.pop(call)
+
+    def _terminate(self) -> None:
+        for inbox in self.inboxes:
+            inbox.put(None)
+        for p in self.procs:
+            p.join(timeout=30)
+            if p.is_alive():
+                p.terminate()
+
+    def stop(self) -> None:
+        super().stop()
+        self._terminate()
