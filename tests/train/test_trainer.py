@@ -50,11 +50,13 @@ def test_micro_batches_sum_to_the_full_batch_gradient(agg_mode):
     model = make_model()
     batch = synthetic_batch(model, groups=3, group_size=4)
     base = {"algorithm.agg_mode": agg_mode, "optim.max_grad_norm": None, "correction.is_level": "token"}
+    unshared, _ = grads_of_step(tiny_cfg(**base, **{"optim.share_prompts": False}), batch)
     full, _ = grads_of_step(tiny_cfg(**base, **{"optim.micro_batch_size": 12}), batch)
     aligned, _ = grads_of_step(tiny_cfg(**base, **{"optim.micro_batch_size": 4}), batch)   # whole groups
     split, _ = grads_of_step(tiny_cfg(**base, **{"optim.micro_batch_size": 3}), batch)     # pre-pass path
     assert_grads_close(full, aligned)
     assert_grads_close(full, split)
+    assert_grads_close(full, unshared)
 
 
 def test_step_loss_is_the_registry_loss_of_the_batch():
@@ -212,3 +214,17 @@ def test_lr_schedule_on_the_data_clock():
     m = trainer.step(synthetic_batch(model))   # 12 rollouts
     assert m["lr"] == pytest.approx(1e-3 * 12 / 32)
     assert trainer.optimizer.param_groups[0]["lr"] == pytest.approx(m["lr"])
+
+
+def test_shared_prompt_pass_matches_the_full_forward():
+    """Rows of a group share one prompt pass through a KV cache: same log-probs and gradients."""
+    model = make_model()
+    batch = synthetic_batch(model, groups=3, group_size=4)   # identical prompts within each group
+    results = []
+    for share in (False, True):
+        model.zero_grad()
+        fwd = forward_response(model, batch, 0.7, share_prompts=share)
+        (fwd.logprobs * batch.response_mask * batch.rewards[:, None]).sum().backward()
+        results.append((fwd.logprobs.detach() * batch.response_mask, [p.grad.clone() for p in model.parameters()]))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
+    assert_grads_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-6)

@@ -36,9 +36,10 @@ def comparable(records):
 
 
 def synthetic_batch(model, *, groups=3, group_size=4, prompt_len=5, max_len=6, vocab=None, seed=0,
-                    topk=0, noise=0.05, temperature=1.0) -> RolloutBatch:
-    """A scored batch with random prompts/responses of varying lengths (left-padded prompts, right-padded
-    responses), sampler log-probs = the model's own log-probs + noise, binary rewards."""
+                    topk=0, noise=0.05, temperature=1.0, shared_prompts=True) -> RolloutBatch:
+    """A scored batch with random prompts (one per group unless shared_prompts=False) and responses of varying
+    lengths (left-padded prompts, right-padded responses), sampler log-probs = the model's own log-probs +
+    noise, binary rewards."""
     from covrl.train.trainer import forward_response
 
     g = torch.Generator().manual_seed(seed)
@@ -50,6 +51,9 @@ def synthetic_batch(model, *, groups=3, group_size=4, prompt_len=5, max_len=6, v
         pad = int(torch.randint(0, 2, (1,), generator=g))
         prompt_ids[i, :pad] = 0
         prompt_mask[i, :pad] = 0
+    if shared_prompts:  # every row of a group answers the same prompt, as a sampler produces them
+        first = torch.arange(groups).repeat_interleave(group_size) * group_size
+        prompt_ids, prompt_mask = prompt_ids[first], prompt_mask[first]
     lengths = torch.randint(1, max_len + 1, (rows,), generator=g)
     lengths[0] = max_len
     response_mask = (torch.arange(max_len)[None] < lengths[:, None]).float()

@@ -111,6 +111,8 @@ class OptimConfig(_Section):
     warmup_rollouts: int = Field(0, ge=0, description="linear lr warm-up length, in rollouts consumed")
     min_lr_ratio: float = Field(0.0, ge=0, le=1, description="cosine floor as a fraction of lr")
     micro_batch_size: int = Field(16, ge=1, description="rows per forward/backward (bounds memory)")
+    share_prompts: bool = Field(True, description="run a group's shared prompt once per micro-batch (its KV "
+                                                  "cache is indexed out to the rows; same values, less compute)")
     max_bad_steps: int = Field(3, ge=1, description="stop after this many skipped (non-finite) steps in a row")
 
     @field_validator("betas")

@@ -106,14 +106,22 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((x * mask).sum()) / den if den > 0 else 0.0
 
 
-def forward_response(model, batch: RolloutBatch, temperature: float, *, with_stats: bool = True,
-                     topk_ids: torch.Tensor | None = None) -> _Forward:
-    """Trainer log-probs of the response tokens of `batch` in one forward pass.
+def _cache_argument() -> str:
+    """Name of the KV-cache argument of transformers models (`cache` in transformers >= 5.2x, else
+    `past_key_values`)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
 
-    Input = [left-padded prompt | right-padded response]; position ids follow the attention mask (as in
-    generation), so the trainer sees the same positions as the sampler. Only the logits that predict response
-    tokens are computed (`logits_to_keep`). log p = log softmax(z/τ)[y] with τ the sampler's temperature.
-    """
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def _shared_prompts(batch: RolloutBatch) -> torch.Tensor | None:
+    """Row -> index of its distinct prompt, or None when no two rows share a prompt."""
+    key = torch.cat([batch.prompt_ids, batch.prompt_mask.long()], dim=1)
+    unique, inverse = torch.unique(key, dim=0, return_inverse=True)
+    return inverse if unique.shape[0] < key.shape[0] else None
+
+
+def _full_logits(model, batch: RolloutBatch) -> torch.Tensor:
     t = batch.response_ids.shape[1]
     ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
     attn = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).long()
@@ -122,7 +130,66 @@ def forward_response(model, batch: RolloutBatch, temperature: float, *, with_sta
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, logits_to_keep=t + 1)
     except TypeError:  # models without logits_to_keep
         out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
-    logits = out.logits[:, -(t + 1):-1]
+    return out.logits[:, -(t + 1):-1]
+
+
+def _shared_prompt_logits(model, batch: RolloutBatch, prompt_of_row: torch.Tensor) -> torch.Tensor | None:
+    """Same logits as `_full_logits`, computing each distinct prompt once: the prompt pass (with grad) builds a
+    KV cache that is indexed out to the rows of that prompt, then the responses run on top of it. With G
+    prompts of length P and B rows of length T this costs G·P + B·T token passes instead of B·(P + T)."""
+    n_prompts = int(prompt_of_row.max()) + 1
+    first = torch.zeros(n_prompts, dtype=torch.long, device=prompt_of_row.device).scatter_(
+        0, prompt_of_row, torch.arange(len(prompt_of_row), device=prompt_of_row.device))
+    p_ids, p_mask = batch.prompt_ids[first], batch.prompt_mask[first].long()
+    p_pos = (p_mask.cumsum(-1) - 1).clamp_min(0)
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
+    cache = getattr(out, "cache", None)
+    cache = cache if cache is not None else getattr(out, "past_key_values", None)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return None                                           # this model returns no usable cache
+    first_logits = out.logits[:, -1][prompt_of_row]           # predicts response token 0 of each row
+    t = batch.response_ids.shape[1]
+    if t == 1:
+        return first_logits[:, None]
+    cache.batch_select_indices(prompt_of_row)                 # indexing keeps the graph: grads reach the prompt
+    attn = torch.cat([batch.prompt_mask.long(), batch.response_mask[:, :-1].long()], dim=1)
+    start = p_mask.sum(-1)[prompt_of_row][:, None]
+    pos = start + torch.arange(t - 1, device=start.device)[None]
+    rest = model(input_ids=batch.response_ids[:, :-1], attention_mask=attn, position_ids=pos, use_cache=True,
+                 **{_cache_argument(): cache})
+    return torch.cat([first_logits[:, None], rest.logits], dim=1)
+
+
+def _checkpointing(model) -> bool:
+    """Activation checkpointing disables the KV cache in training mode, so prompts cannot be shared."""
+    import warnings
+
+    with warnings.catch_warnings():   # transformers 5 deprecates the old spelling
+        warnings.simplefilter("ignore")
+        for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            try:
+                return bool(getattr(model, name))
+            except AttributeError:
+                continue
+    return False
+
+
+def forward_response(model, batch: RolloutBatch, temperature: float, *, with_stats: bool = True,
+                     topk_ids: torch.Tensor | None = None, share_prompts: bool = True) -> _Forward:
+    """Trainer log-probs of the response tokens of `batch` in one forward pass.
+
+    Input = [left-padded prompt | right-padded response]; position ids follow the attention mask (as in
+    generation), so the trainer sees the same positions as the sampler. Only the logits that predict response
+    tokens are computed (`logits_to_keep`). log p = log softmax(z/τ)[y] with τ the sampler's temperature.
+    `share_prompts`: rows with identical prompts (a group) share one prompt pass through a KV cache (same
+    values up to float rounding, much less compute when prompts are long compared with responses).
+    """
+    prompt_of_row = _shared_prompts(batch) if share_prompts else None
+    logits = None
+    if prompt_of_row is not None and not _checkpointing(model):
+        logits = _shared_prompt_logits(model, batch, prompt_of_row)
+    if logits is None:
+        logits = _full_logits(model, batch)
     logprobs = token_logprobs(logits, batch.response_ids, temperature)
     topk = None
     if topk_ids is not None:
@@ -229,7 +296,7 @@ class Trainer:
         for index in plan:
             idx = torch.as_tensor(index, dtype=torch.long, device=device)
             mb = _trim(batch.select(idx))
-            fwd = forward_response(self.model, mb, self.temperature,
+            fwd = forward_response(self.model, mb, self.temperature, share_prompts=self.cfg.optim.share_prompts,
                                    topk_ids=mb.sampler_topk_ids if need_topk else None)
             t = mb.response_ids.shape[1]
             full_lp[idx] = _pad_cols(fwd.logprobs.detach(), width)
@@ -349,7 +416,7 @@ class Trainer:
         for s in range(0, rows, size):
             idx = torch.arange(s, min(s + size, rows), device=device)
             mb = _trim(batch.select(idx))
-            fwd = forward_response(self.model, mb, self.temperature)
+            fwd = forward_response(self.model, mb, self.temperature, share_prompts=self.cfg.optim.share_prompts)
             lp[idx] = _pad_cols(fwd.logprobs.float(), width)
             sps[idx] = _pad_cols(fwd.sum_pi_sq, width)
         mask = batch.response_mask.float()
@@ -367,7 +434,8 @@ class Trainer:
         for s in range(0, rows, size):
             idx = torch.arange(s, min(s + size, rows), device=out.device)
             mb = _trim(batch.select(idx))
-            fwd = forward_response(self.ref_model, mb, self.temperature, with_stats=False)
+            fwd = forward_response(self.ref_model, mb, self.temperature, with_stats=False,
+                                   share_prompts=self.cfg.optim.share_prompts)
             out[idx] = _pad_cols(fwd.logprobs.float(), width)
         return out
 
