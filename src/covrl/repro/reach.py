@@ -312,9 +312,6 @@ def _transformer_section(result, cfg: Settings, seed: int, fast: bool) -> dict:
         r["actual_change"] = after - r["logodds"]
         if abs(r["predicted_change"]) >= 0.1 * cfg.sgd_target:
             errors.append(abs(r["actual_change"] - r["predicted_change"]) / abs(r["predicted_change"]))
-    with torch.no_grad():  # restore the cached model's weights
-        for p, g in zip(params, grads):
-            p.sub_(g, alpha=eta)
     worst = max(abs(r["ratio"]) for r in rows)
     result.numbers["tiny_transformer_pairs"] = [{k: (list(v) if k == "pair" else v) for k, v in r.items()} for r in rows]
     result.numbers["tiny_transformer_sgd_eta"] = eta
