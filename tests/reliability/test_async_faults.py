@@ -114,42 +114,51 @@ def test_sampler_thread_death_ends_covrl_train_cleanly(tmp_path, monkeypatch, ca
 @pytest.mark.slow
 @pytest.mark.ray
 def test_ray_sampler_actor_killed_mid_run_then_resume(tmp_path, monkeypatch):
+    """The sampler actor is killed right after the first checkpoint. Today the run then stops (no actor
+    restart); the checkpoints must stay complete and `--resume` (with fresh actors) must train every step once."""
     ray = pytest.importorskip("ray")
     import shutil
     import tempfile
-    import threading
 
     from covrl.train import ray_backend
+    from covrl.train.run import Run
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     temp = Path(tempfile.mkdtemp(prefix="covrl-ray-"))
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False)
     try:
-        extra = ("loop.mode=ray", "async_loop.trainer_actor=false", "async_loop.sampler_cpus=1",
-                 "loop.steps=6")
-        real_start = ray_backend.start_sampler_actors
-        killed = {}
+        extra = ("loop.mode=ray", "async_loop.trainer_actor=false", "async_loop.sampler_cpus=1", "loop.steps=6")
+        real_start, real_save = ray_backend.start_sampler_actors, Run.save_checkpoint
+        actors: list = []
+        killed: list = []
 
-        def start_and_schedule_kill(cfg):
-            actors = real_start(cfg)
-            timer = threading.Timer(4.0, lambda: (ray.kill(actors[0]), killed.setdefault("at", True)))
-            timer.daemon = True
-            timer.start()
+        def start(cfg):
+            actors[:] = real_start(cfg)
             return actors
 
-        monkeypatch.setattr(ray_backend, "start_sampler_actors", start_and_schedule_kill)
+        def save_then_kill(self):
+            path = real_save(self)
+            if not killed and actors:
+                ray.kill(actors[0], no_restart=True)
+                killed.append(path.name)
+            return path
+
+        monkeypatch.setattr(ray_backend, "start_sampler_actors", start)
+        monkeypatch.setattr(Run, "save_checkpoint", save_then_kill)
         try:
-            rc = run(tmp_path, "ray", *extra)
+            outcome = run(tmp_path, "ray", *extra)
         except Exception as err:  # noqa: BLE001 - what a dead actor looks like today
-            rc = f"{type(err).__name__}: {err}"
-        monkeypatch.setattr(ray_backend, "start_sampler_actors", real_start)
+            outcome = f"{type(err).__name__}: {err}"
+        monkeypatch.undo()
+        monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
         run_dir = tmp_path / "ray"
-        if rc == 0:  # the run outlived the actor (restart) or finished before the kill
+        assert killed, f"the run ended before its first checkpoint: {outcome}"
+        if outcome == 0:  # the run outlived the actor (a restart)
             assert_clock(run_dir, steps=6)
             return
-        assert killed, f"the run failed before the actor was killed: {rc}"
-        assert ckpt.list_checkpoints(run_dir), f"no complete checkpoint survived ({rc})"
-        assert run(tmp_path, "ray", *extra, resume=True) == 0
+        assert ckpt.list_checkpoints(run_dir), f"no complete checkpoint survived ({outcome})"
+        assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+        assert run(tmp_path, "ray", *extra, resume=True) == 0, outcome
         assert_clock(run_dir, steps=6)
     finally:
         ray.shutdown()
