@@ -106,6 +106,8 @@ def _measure(mode: str, cfg, records_key: str = "metrics.jsonl") -> dict:
     del run
     gc.collect()        # free this mode's model, optimizer state and sampler copy before the next mode
     rollouts = sum(int(r.get("batch_rows", 0)) for r in records)
+    if mode != "sync":   # the loop's own clock: worker start-up (processes, actors) is excluded
+        wall = summary["async"]["wall_s"]
     out.update({"steps": len(records), "rollouts": rollouts, "loop_s": wall, "rollouts_per_s": rollouts / wall,
                 "load1": os.getloadavg()[0]})
     if mode == "sync":

@@ -12,6 +12,7 @@ the dispatcher that feeds them chunks through the staleness queue.
 
 from __future__ import annotations
 
+import io
 import os
 import queue as queue_lib
 import threading
@@ -124,6 +125,7 @@ class DispatchPool:
 
     # -- pool protocol -----------------------------------------------------------------------------------------
     def start(self) -> None:
+        self.idle_since = [time.perf_counter()] * self.num_samplers   # start-up is not idle time
         self.publish(self.state.run.model, self.state.run.trainer.version)
         self.thread.start()
 
@@ -223,6 +225,19 @@ class DispatchPool:
 
 # ------------------------------------------------------------------------------------------ local processes
 
+def _dumps(obj: Any) -> bytes:
+    """One byte string for a message (torch.save): queues would otherwise move every small tensor through its
+    own shared-memory segment, which costs more than the copy for rollout batches and small models."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    return buffer.getvalue()
+
+
+def _loads(data: bytes) -> Any:
+    # our own child process's messages (RolloutBatch, tokenizer-free python objects): full unpickling is needed
+    return torch.load(io.BytesIO(data), weights_only=False)
+
+
 def _process_main(cfg_dict: dict, rank: int, inbox, outbox) -> None:
     """Worker process: build the worker, then serve (call id, weights, version, examples, positions, rng,
     probe) requests until None."""
@@ -236,26 +251,27 @@ def _process_main(cfg_dict: dict, rank: int, inbox, outbox) -> None:
         msg = inbox.get()
         if msg is None:
             return
-        call, weights, version, examples, positions, rng, probe = msg
+        call, weights, version, examples, positions, rng, probe = _loads(msg)
         try:
-            outbox.put(("done", call, worker.generate_with(weights, version, examples, positions, rng, probe)))
+            result = worker.generate_with(weights, version, examples, positions, rng, probe)
+            outbox.put(("done", call, _dumps(result)))
         except BaseException:
             outbox.put(("error", call, traceback.format_exc()))
 
 
 class ProcessPool(DispatchPool):
     """`async_loop.num_samplers` local worker processes (spawned; each with its own torch thread budget,
-    `async_loop.sampler_threads`). Weights and rollouts travel through torch.multiprocessing queues (tensors
-    in shared memory)."""
+    `async_loop.sampler_threads`). Weights and rollouts travel through multiprocessing queues as torch.save
+    byte strings."""
 
     name = "process"
 
     def __init__(self, state: AsyncState):
-        import torch.multiprocessing as tmp
+        import multiprocessing
 
         n = state.acfg.num_samplers
         super().__init__(state, n)
-        ctx = tmp.get_context("spawn")
+        ctx = multiprocessing.get_context("spawn")
         self.outbox = ctx.Queue()
         self.inboxes = [ctx.Queue() for _ in range(n)]
         cfg_dict = state.run.cfg.model_dump(mode="json")
@@ -267,11 +283,22 @@ class ProcessPool(DispatchPool):
         self._calls = 0
         ready = 0
         while ready < n:
-            msg = self.outbox.get(timeout=600)
+            try:
+                msg = self.outbox.get(timeout=1.0)
+            except queue_lib.Empty:
+                self._check_alive()
+                continue
             if msg[0] == "error":
                 self._terminate()
                 raise RuntimeError(f"sampler process {msg[1]} failed to start:\n{msg[2]}")
             ready += 1
+
+    def _check_alive(self) -> None:
+        dead = [(p.name, p.exitcode) for p in self.procs if not p.is_alive()]
+        if dead:
+            self._terminate()
+            raise RuntimeError(f"sampler process(es) exited: {dead}. Worker processes are spawned: a script that "
+                               "starts training must guard its entry point with `if __name__ == \"__main__\":`")
 
     def _put_weights(self, weights: dict) -> Any:
         return weights
@@ -279,7 +306,7 @@ class ProcessPool(DispatchPool):
     def _submit(self, rank, weights_handle, version, examples, positions, rng, probe):
         self._calls += 1
         call = self._calls
-        self.inboxes[rank].put((call, weights_handle, version, examples, positions, rng, probe))
+        self.inboxes[rank].put(_dumps((call, weights_handle, version, examples, positions, rng, probe)))
         return call
 
     def _receive(self, timeout: float) -> None:
@@ -287,13 +314,13 @@ class ProcessPool(DispatchPool):
         if msg[0] == "error":
             raise RuntimeError(f"sampler process failed on call {msg[1]}:\n{msg[2]}")
         _, call, result = msg
-        self._results[call] = result
+        self._results[call] = _loads(result)
 
     def _poll(self, timeout: float) -> list[tuple[Any, dict]]:
         try:
             self._receive(timeout)
         except queue_lib.Empty:
-            pass
+            self._check_alive()
         done = [(c, self._results.pop(c)) for c in list(self._results) if c in self.inflight]
         return done
 
