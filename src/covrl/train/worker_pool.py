@@ -259,6 +259,9 @@ def _process_main(cfg_dict: dict, rank: int, inbox, outbox) -> None:
             outbox.put(("error", call, traceback.format_exc()))
 
 
+_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
+
+
 class ProcessPool(DispatchPool):
     """`async_loop.num_samplers` local worker processes (spawned; each with its own torch thread budget,
     `async_loop.sampler_threads`). Weights and rollouts travel through multiprocessing queues as torch.save
@@ -277,8 +280,20 @@ class ProcessPool(DispatchPool):
         cfg_dict = state.run.cfg.model_dump(mode="json")
         self.procs = [ctx.Process(target=_process_main, args=(cfg_dict, r, self.inboxes[r], self.outbox),
                                   daemon=True, name=f"covrl-sampler-{r}") for r in range(n)]
-        for p in self.procs:
-            p.start()
+        # the children's thread pools are sized at `import torch`, before any code of ours runs there: set the
+        # thread variables in the environment they inherit (as Ray does for its workers), then restore ours
+        threads = str(state.acfg.sampler_threads or max(1, int(state.acfg.sampler_cpus)))
+        saved = {k: os.environ.get(k) for k in _THREAD_ENV}
+        os.environ.update({k: threads for k in _THREAD_ENV})
+        try:
+            for p in self.procs:
+                p.start()
+        finally:
+            for k, v in saved.items():
+                if v is None:
+                    os.environ.pop(k, None)
+                else:
+                    os.environ[k] = v
         self._results: dict[Any, dict] = {}
         self._calls = 0
         ready = 0
