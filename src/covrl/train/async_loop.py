@@ -560,8 +560,15 @@ def train_async(run, *, acfg: AsyncLoopConfig | None = None, pool: str | None = 
         raise
     except BaseException:
         worker_pool.stop()
+        if state.error is not None:    # a dead sampler worker: record it in summary.json before raising
+            run.status = "failed"
+            run.message(f"training stopped: async sampler worker failed: {state.error!r}")
+            run.finish()
         raise
     worker_pool.stop()
+    if state.error is not None:
+        run.status = "failed"
+        run.finish()
     state.raise_if_failed()
     finished = run.step >= lcfg.steps
     if finished:
