@@ -106,13 +106,12 @@ class _LinearGaussian(BanditAgent):
     # -- exact posterior update ------------------------------------------------------------------------
     def _posterior_gain(self, x: torch.Tensor) -> torch.Tensor:
         """Update Σ in place (Sherman–Morrison) and return the gain Σ_t x / σ² = Σ_{t−1}x / (σ² + xᵀΣ_{t−1}x)."""
-        sx = torch.einsum("sij,sj->si", self._cov, x)
+        sx = torch.bmm(self._cov, x.unsqueeze(-1)).squeeze(-1)
         denom = self.noise_var + (x * sx).sum(-1, keepdim=True)
-        gain = sx / denom
-        self._cov -= gain.unsqueeze(-1) * sx.unsqueeze(-2)
-        # keep Σ exactly symmetric against round-off drift
-        self._cov = 0.5 * (self._cov + self._cov.transpose(-1, -2))
-        return gain
+        # Σ −= v vᵀ with v = Σx/√denom: one in-place pass over Σ, and exactly symmetric (v_i v_j = v_j v_i)
+        v = sx / denom.sqrt()
+        self._cov.baddbmm_(v.unsqueeze(-1), v.unsqueeze(-2), alpha=-1)
+        return sx / denom
 
     def _update_mean(self, gain: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> None:
         self._mu += gain * (y - (x * self._mu).sum(-1)).unsqueeze(-1)
@@ -181,7 +180,7 @@ class LinearEnsemblePP(_LinearGaussian):
         """argmax_x ⟨x, μ + Aζ⟩ with one ζ shared by all arms of a seed."""
         arms = self._arms(arms)
         zeta = self.sample_reference()
-        theta = self._mu + torch.einsum("sdm,sm->sd", self._A, zeta)
+        theta = self._mu + torch.bmm(self._A, zeta.unsqueeze(-1)).squeeze(-1)
         return self._pick(arms, theta)
 
     def update(self, x: torch.Tensor, y: torch.Tensor, z: torch.Tensor | None = None) -> torch.Tensor:
@@ -194,8 +193,8 @@ class LinearEnsemblePP(_LinearGaussian):
             z = torch.as_tensor(z, dtype=self.dtype).reshape(self.S, self.M)
         gain = self._posterior_gain(x)
         sigma = math.sqrt(self.noise_var)
-        residual = sigma * z - torch.einsum("sd,sdm->sm", x, self._A)
-        self._A += gain.unsqueeze(-1) * residual.unsqueeze(-2)
+        residual = sigma * z - torch.bmm(x.unsqueeze(1), self._A).squeeze(1)
+        self._A.baddbmm_(gain.unsqueeze(-1), residual.unsqueeze(-2))  # in place: one pass over A
         self._update_mean(gain, x, y)
         self.t += 1
         return self._out(z)
@@ -269,8 +268,8 @@ class EnsembleSampling(_LinearGaussian):
         x, y = self._xy(x, y)
         w = math.sqrt(self.noise_var) * torch.randn(self.S, self.M, generator=self.gen, dtype=self.dtype)
         gain = self._posterior_gain(x)
-        residual = y.unsqueeze(-1) + w - torch.einsum("sd,sdm->sm", x, self._models)
-        self._models += gain.unsqueeze(-1) * residual.unsqueeze(-2)
+        residual = y.unsqueeze(-1) + w - torch.bmm(x.unsqueeze(1), self._models).squeeze(1)
+        self._models.baddbmm_(gain.unsqueeze(-1), residual.unsqueeze(-2))
         self._update_mean(gain, x, y)
         self.t += 1
 
