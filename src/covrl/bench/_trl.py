@@ -515,10 +515,11 @@ def _entry(side: str, conn, settings: StepSettings) -> None:
 
 
 def run_alternating(settings: StepSettings | dict[str, StepSettings], sides: tuple[str, ...] = ("covrl", "trl"),
-                    timeout_s: float = 3600.0) -> dict[str, Any]:
+                    timeout_s: float = 3600.0, progress=None) -> dict[str, Any]:
     """Start one worker per side (`settings` shared, or one per side), then step them alternately (order
     flipped every round) until each reports `finished`. Returns each side's ready message, step records
-    (warm-up steps dropped), summaries and the load average seen each round."""
+    (warm-up steps dropped), summaries and the load average seen each round. `progress(text)`, when given,
+    receives one line per step."""
     per_side = settings if isinstance(settings, dict) else {side: settings for side in sides}
     for s in per_side.values():  # write the model folders once, before the workers race for them
         model_dir(s.model, s.cache_dir)
@@ -543,6 +544,10 @@ def run_alternating(settings: StepSettings | dict[str, StepSettings], sides: tup
                 rec["load1"] = load1()
                 rec["step"] = step
                 all_records[side].append(rec)
+                if progress is not None:
+                    acc = f", accuracy {rec['accuracy']:.0%}" if "accuracy" in rec else ""
+                    progress(f"{side} step {step + 1}: {rec['step_time']:.2f} s (generation {rec['gen_time']:.2f} s)"
+                             f"{acc}, load {rec['load1']:.1f}")
                 if step >= per_side[side].warmup_steps:
                     records[side].append(rec)
                 if rec.get("finished"):

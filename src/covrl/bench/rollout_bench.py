@@ -23,6 +23,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", choices=["tiny", "smollm2"])
     parser.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated rollout batch sizes")
     parser.add_argument("--max-new-tokens", type=int, default=24)
+    parser.add_argument("--group-size", type=int, default=8, help="rows per prompt (RL groups); batches smaller "
+                        "than this use one row per prompt")
     parser.add_argument("--repeats", type=int, default=3, help="timed generations per batch size and side")
     parser.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
@@ -100,17 +102,18 @@ def _generate_hf(model, tokenizer, prompts, max_new_tokens, seed):
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], new.shape[1],
                                                                                dtype=torch.long))
     tokens = int(torch.clamp(first + 1, max=new.shape[1]).sum())
-    return dt, tokens, int(new.shape[1])
+    return dt, tokens, int(new.shape[1]), None
 
 
-def _generate_covrl(sampler, prompts, max_new_tokens, seed):
+def _generate_covrl(sampler, prompts, n, seed):
+    """covrl's sampler: `n` rows per prompt; returns (seconds, tokens, decode steps, prefill seconds)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
-    batch = sampler.generate(prompts, 1, generator=gen)
+    batch = sampler.generate(prompts, n, generator=gen)
     dt = time.perf_counter() - t0
-    return dt, int(batch.response_mask.sum()), int(batch.response_ids.shape[1])
+    return dt, int(batch.response_mask.sum()), int(batch.response_ids.shape[1]), batch.info.get("prefill_s")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -123,7 +126,7 @@ def run(args: argparse.Namespace) -> int:
     from covrl.bench.common import write_bench
 
     if args.quick:
-        args.model, args.batch_sizes, args.max_new_tokens, args.repeats = "tiny", "1,4", 8, 1
+        args.model, args.batch_sizes, args.max_new_tokens, args.repeats = "tiny", "1,8", 8, 1
     torch.set_num_threads(args.threads)
     cache = args.cache_dir or _trl.DEFAULT_CACHE
     bandwidth = measure_bandwidth(64 if args.quick else 512)
@@ -140,19 +143,22 @@ def run(args: argparse.Namespace) -> int:
     sampler = build_sampler(SamplerConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
                                           max_batch=max(int(b) for b in args.batch_sizes.split(","))),
                             model, tokenizer)
-    sides = {"covrl": lambda ps, s: _generate_covrl(sampler, ps, args.max_new_tokens, s),
-             "generate": lambda ps, s: _generate_hf(model, tokenizer, ps, args.max_new_tokens, s)}
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
-        batch_prompts = [prompts[i % len(prompts)] for i in range(b)]
+        n = args.group_size if b >= args.group_size and b % args.group_size == 0 else 1
+        unique = [prompts[i % len(prompts)] for i in range(b // n)]
+        batch_prompts = [p for p in unique for _ in range(n)]  # the same rows for both sides
+        sides = {"covrl": lambda s, unique=unique, n=n: _generate_covrl(sampler, unique, n, s),
+                 "generate": lambda s, rows_=batch_prompts: _generate_hf(model, tokenizer, rows_,
+                                                                          args.max_new_tokens, s)}
         for fn in sides.values():  # warm-up (allocator, first-call costs)
-            fn(batch_prompts, 0)
+            fn(0)
         runs = {name: [] for name in sides}
         for rep in range(args.repeats):
             order = list(sides) if rep % 2 == 0 else list(reversed(sides))
             for name in order:
-                dt, tokens, steps = sides[name](batch_prompts, rep + 1)
-                runs[name].append({"seconds": dt, "tokens": tokens, "decode_steps": steps,
+                dt, tokens, steps, prefill = sides[name](rep + 1)
+                runs[name].append({"seconds": dt, "tokens": tokens, "decode_steps": steps, "prefill_s": prefill,
                                    "load1": os.getloadavg()[0]})
         prompt_len = statistics.fmean(len(p) for p in batch_prompts)
         kv_positions = prompt_len + args.max_new_tokens / 2
@@ -160,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         bw_bound = b * bandwidth / step_bytes
         compute_bound = flops / (2 * costs["matmul_params"])
         roofline = min(bw_bound, compute_bound)
-        row = {"batch": b, "bandwidth_bound_tok_s": bw_bound, "compute_bound_tok_s": compute_bound,
+        row = {"batch": b, "rows_per_prompt": n, "bandwidth_bound_tok_s": bw_bound, "compute_bound_tok_s": compute_bound,
                "roofline_tok_s": roofline, "runs": runs}
         for name, rs in runs.items():
             tok_s = sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
@@ -170,22 +176,28 @@ def run(args: argparse.Namespace) -> int:
             # decode-step rate x B: the rate if every row were generating (padding after EOS included)
             row[f"{name}_fraction_of_roofline"] = steps_s * b / roofline
         row["covrl_over_generate"] = row["covrl_tok_s"] / row["generate_tok_s"]
+        # share of the sampler's time spent prefilling prompts; with n rows per prompt, (1 - 1/n) of it is
+        # the same prompt computed again (what prefix sharing would save)
+        row["covrl_prefill_share"] = (sum(r["prefill_s"] or 0.0 for r in runs["covrl"])
+                                      / sum(r["seconds"] for r in runs["covrl"]))
         row["mean_load1"] = statistics.fmean(r["load1"] for rs in runs.values() for r in rs)
         rows.append(row)
 
     results = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
                "max_new_tokens": args.max_new_tokens, "bandwidth_GB_s": bandwidth / 1e9,
                "matmul_GFLOP_s": flops / 1e9, **costs, "rows": rows}
-    header = ("| B | covrl tok/s | generate tok/s | covrl/generate | bandwidth bound | compute bound "
-              "| covrl % of roofline | generate % of roofline | load |\n|---|---|---|---|---|---|---|---|---|\n")
-    lines = [f"| {r['batch']} | {r['covrl_tok_s']:.1f} | {r['generate_tok_s']:.1f} | "
+    header = ("| B (rows/prompt) | covrl tok/s | generate tok/s | covrl/generate | bandwidth bound | compute bound "
+              "| covrl % of roofline | generate % of roofline | covrl prefill share | load |\n"
+              "|---|---|---|---|---|---|---|---|---|---|\n")
+    lines = [f"| {r['batch']} ({r['rows_per_prompt']}) | {r['covrl_tok_s']:.1f} | {r['generate_tok_s']:.1f} | "
              f"{r['covrl_over_generate']:.2f} | {r['bandwidth_bound_tok_s']:.0f} | {r['compute_bound_tok_s']:.0f} | "
              f"{100 * r['covrl_fraction_of_roofline']:.0f}% | {100 * r['generate_fraction_of_roofline']:.0f}% | "
-             f"{r['mean_load1']:.1f} |" for r in rows]
+             f"{100 * r['covrl_prefill_share']:.0f}% | {r['mean_load1']:.1f} |" for r in rows]
     note = (f"\nmodel {args.model} ({args.dtype}), {args.threads} thread(s), {args.max_new_tokens} new tokens; "
             f"bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s, "
             f"weights read per step {costs['weight_bytes'] / 2**20:.0f} MiB. "
             "% of roofline uses decode steps x B (padding rows after EOS count as work).\n")
-    write_bench(f"rollout-{args.model}" + ("-quick" if args.quick else ""), results, header + "\n".join(lines) + note,
+    write_bench(f"rollout-{args.model}" + ("" if args.dtype == "float32" else f"-{args.dtype}")
+                + ("-quick" if args.quick else ""), results, header + "\n".join(lines) + note,
                 Path(args.out))
     return 0

@@ -1,12 +1,11 @@
 """`covrl bench step`: the trainer's cost, without generation.
 
-1. Forward+backward grid: `forward_response` (one forward over [prompt | response], log-probs of the response
-   tokens) + a token-mean policy-gradient loss + backward, by micro-batch rows and response length, with and
-   without the detached per-token statistics (entropy, Σπ²) the Trainer computes for OTB and the metrics.
-   tokens/s counts response tokens (the ones that get a gradient).
-2. Prefix sharing (a prototype kept here, not in the Trainer): the rows of a group share their prompt, so
-   the prompt can be run once per group and its keys/values repeated to the rows; the gradient is the same
-   (checked: log-prob and gradient differences reported). Timed against the standard forward+backward.
+1. Forward+backward grid: `forward_response` (one forward over [prompt | response], prompts shared within
+   groups as by default, log-probs of the response tokens) + a token-mean policy-gradient loss + backward,
+   by micro-batch rows and response length, with and without the detached per-token statistics (entropy,
+   Σπ²) the Trainer computes for OTB and the metrics. tokens/s counts response tokens (those with a gradient).
+2. Prompt sharing (`optim.share_prompts`): the rows of a group share their prompt, which the Trainer runs
+   once per group; timed on vs off on the same batch, with the log-prob and gradient differences.
 3. Variants: a full `Trainer.step` on one synthetic scored batch for the plain loss (GRPO advantages +
    covariance loss, no correction) and for OTB and each correction / extra term switched on alone; reported
    as median step time and overhead over the plain step. All variants run round-robin on one Trainer (its
@@ -47,7 +46,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--response-length", type=int, default=16,
                         help="response tokens in the variants' batch (default run: max_new_tokens 16)")
     parser.add_argument("--micro-batch", type=int, default=16, help="optim.micro_batch_size of the variants")
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--variants", default="all", help="comma-separated variant names or 'all'")
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
@@ -83,65 +82,18 @@ def synthetic_batch(model, vocab: int, rows: int, prompt_len: int, resp_len: int
     )
 
 
-def prefix_shared_logprobs(model, batch, group_size: int):
-    """Prototype (not used by the Trainer): response log-probs with the prompt computed ONCE per group.
-
-    The rows of a group share their prompt, so the prompt's keys/values are computed for one row per group
-    (with grad), repeated to the group's rows (`repeat_interleave`: its backward sums the rows' gradients,
-    so the parameter gradient is the same as with per-row prompts), then the responses are run against that
-    cache. Positions follow the attention mask as in `forward_response`. Needs equal prompts within each
-    contiguous group of `group_size` rows."""
-    import torch
-
-    from covrl.math import token_logprobs
-    from covrl.rollout.sampler import _cache_kwarg, _output_cache
-
-    rows, t = batch.response_ids.shape
-    first = torch.arange(0, rows, group_size)
-    p_mask = batch.prompt_mask[first].long()
-    p_pos = (p_mask.cumsum(-1) - 1).clamp_min(0)
-    out = model(input_ids=batch.prompt_ids[first], attention_mask=p_mask, position_ids=p_pos, use_cache=True,
-                logits_to_keep=1)
-    cache = _output_cache(out)
-    cache.batch_repeat_interleave(group_size)
-    first_logits = out.logits[:, -1:].repeat_interleave(group_size, 0)  # predicts response token 0
-    if t == 1:
-        logits = first_logits
-    else:
-        attn = torch.cat([p_mask.repeat_interleave(group_size, 0), batch.response_mask[:, :-1].long()], 1)
-        pos = p_pos[:, -1:].repeat_interleave(group_size, 0) + 1 + torch.arange(t - 1)
-        out2 = model(input_ids=batch.response_ids[:, :-1], attention_mask=attn, position_ids=pos, use_cache=True,
-                     **{_cache_kwarg(): cache})
-        logits = torch.cat([first_logits, out2.logits], 1)
-    return token_logprobs(logits, batch.response_ids)
-
-
-def _prefix_fwd_bwd(model, batch, group_size: int) -> float:
-    import torch
-
-    model.zero_grad(set_to_none=True)
-    t0 = time.perf_counter()
-    lp = prefix_shared_logprobs(model, batch, group_size)
-    mask = batch.response_mask
-    adv = torch.where(batch.rewards > 0.5, 1.0, -1.0)[:, None]
-    loss = -(lp * adv * mask).sum() / mask.sum()
-    loss.backward()
-    return time.perf_counter() - t0
-
-
-def prefix_sharing_check(model, batch, group_size: int) -> dict[str, float]:
-    """Max |log-prob difference| and relative L2 difference of the parameter gradients between the standard
-    forward (`forward_response`) and `prefix_shared_logprobs` on the same batch and loss."""
+def prompt_sharing_check(model, batch) -> dict[str, float]:
+    """Max |log-prob difference| and relative L2 difference of the parameter gradients between
+    `forward_response` with and without `share_prompts` on the same batch and loss."""
     import torch
 
     from covrl.train.trainer import forward_response
 
     mask = batch.response_mask
     grads, lps = [], []
-    for fn in (lambda: forward_response(model, batch, 1.0, with_stats=False).logprobs,
-               lambda: prefix_shared_logprobs(model, batch, group_size)):
+    for share in (False, True):
         model.zero_grad(set_to_none=True)
-        lp = fn()
+        lp = forward_response(model, batch, 1.0, with_stats=False, share_prompts=share).logprobs
         (lp * mask).sum().backward()
         lps.append(lp.detach())
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
@@ -150,14 +102,14 @@ def prefix_sharing_check(model, batch, group_size: int) -> dict[str, float]:
             "grad_rel_diff": float((grads[0] - grads[1]).norm() / grads[0].norm().clamp_min(1e-30))}
 
 
-def _fwd_bwd(model, batch, with_stats: bool) -> float:
+def _fwd_bwd(model, batch, with_stats: bool, share_prompts: bool = True) -> float:
     import torch
 
     from covrl.train.trainer import forward_response
 
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    fwd = forward_response(model, batch, 1.0, with_stats=with_stats)
+    fwd = forward_response(model, batch, 1.0, with_stats=with_stats, share_prompts=share_prompts)
     mask = batch.response_mask
     adv = torch.where(batch.rewards > 0.5, 1.0, -1.0)[:, None]
     loss = -(fwd.logprobs * adv * mask).sum() / mask.sum()
@@ -202,17 +154,17 @@ def run(args: argparse.Namespace) -> int:
                          "stats_overhead": full / plain - 1.0, "load1": os.getloadavg()[0]})
     model.zero_grad(set_to_none=True)
 
-    # 2. prototype: the prompt computed once per group (exactness checked, then timed against the standard)
+    # 2. the Trainer's prompt sharing (optim.share_prompts): exactness, then timed on vs off
     pbatch = synthetic_batch(model, vocab, args.rows, args.prompt_length, args.response_length, args.group_size)
-    prefix = prefix_sharing_check(model, pbatch, args.group_size)
-    _prefix_fwd_bwd(model, pbatch, args.group_size)
-    times = {"standard": [], "prefix_shared": []}
+    prefix = prompt_sharing_check(model, pbatch)
+    _fwd_bwd(model, pbatch, False, share_prompts=True)
+    times = {False: [], True: []}
     for rep in range(args.repeats):
-        for name in (("standard", "prefix_shared") if rep % 2 == 0 else ("prefix_shared", "standard")):
-            times[name].append(_fwd_bwd(model, pbatch, False) if name == "standard"
-                               else _prefix_fwd_bwd(model, pbatch, args.group_size))
-    prefix.update({name: statistics.median(v) for name, v in times.items()})
-    prefix["speedup"] = prefix["standard"] / prefix["prefix_shared"]
+        for share in ((False, True) if rep % 2 == 0 else (True, False)):
+            times[share].append(_fwd_bwd(model, pbatch, False, share_prompts=share))
+    prefix.update({"per_row_prompts_s": statistics.median(times[False]),
+                   "shared_prompts_s": statistics.median(times[True])})
+    prefix["speedup"] = prefix["per_row_prompts_s"] / prefix["shared_prompts_s"]
     model.zero_grad(set_to_none=True)
 
     # 3. Trainer.step variants round-robin
@@ -260,7 +212,7 @@ def run(args: argparse.Namespace) -> int:
                          "other_s": med - fb - opt, "overhead_vs_plain": med / plain_s - 1.0, "runs": rs})
 
     results = {"model": args.model, "threads": args.threads, "grid": grid, "variants": variants,
-               "prefix_sharing": prefix,
+               "prompt_sharing": prefix,
                "variant_batch": {"rows": args.rows, "prompt_length": args.prompt_length,
                                  "response_length": args.response_length, "micro_batch": args.micro_batch,
                                  "group_size": args.group_size}}
@@ -271,9 +223,9 @@ def run(args: argparse.Namespace) -> int:
     t2 = ["| variant | step s | fwd+bwd s | optimizer s | other s | overhead vs plain |", "|---|---|---|---|---|---|"]
     t2 += [f"| {v['variant']} | {v['step_s']:.3f} | {v['forward_backward_s']:.3f} | {v['optimizer_s']:.3f} | "
            f"{v['other_s']:.3f} | {100 * v['overhead_vs_plain']:+.1f}% |" for v in variants]
-    t3 = (f"Prefix sharing prototype (prompt computed once per group of {args.group_size}, fwd+bwd of "
-          f"{args.rows} rows): standard {prefix['standard']:.3f} s, shared {prefix['prefix_shared']:.3f} s, "
-          f"speedup **{prefix['speedup']:.2f}x**; same math: max |dlogp| {prefix['logprob_max_diff']:.1e}, "
+    t3 = (f"Prompt sharing (optim.share_prompts; groups of {args.group_size}, fwd+bwd of {args.rows} rows): "
+          f"per-row prompts {prefix['per_row_prompts_s']:.3f} s, shared {prefix['shared_prompts_s']:.3f} s, "
+          f"speedup **{prefix['speedup']:.2f}x**; max |dlogp| {prefix['logprob_max_diff']:.1e}, "
           f"grad rel. diff {prefix['grad_rel_diff']:.1e}.\n")
     note = (f"\nmodel {args.model}, {args.threads} thread(s); variants: {args.rows} rows x ({args.prompt_length} "
             f"prompt + {args.response_length} response) tokens, micro-batch {args.micro_batch}, "

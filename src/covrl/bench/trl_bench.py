@@ -50,6 +50,12 @@ def settings_from_args(args: argparse.Namespace):
     )
 
 
+def _progress(text: str) -> None:
+    import sys
+
+    print(text, file=sys.stderr, flush=True)
+
+
 def run(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
@@ -64,7 +70,7 @@ def run(args: argparse.Namespace) -> int:
         raise SystemExit(f"--sides: unknown {sorted(unknown)}; allowed: {', '.join(_trl.WORKERS)}")
     load_before = os.getloadavg()
     settings.check_loss = args.check_loss and "trl" in sides
-    timing = _trl.run_alternating(settings, sides)
+    timing = _trl.run_alternating(settings, sides, progress=_progress)
     agreement = timing["ready"].get("trl", {}).get("agreement")
     summary = timing["summary"]
     ratios = {}
