@@ -148,3 +148,21 @@ def test_cli_train_then_eval(tmp_path, capsys):
     assert covrl_main(["train", "--config", str(cfg_file), "--name", "cli", "--no-progress"]) == 0
     assert (tmp_path / "cli-2" / "summary.json").is_file()
     assert covrl_main(["eval", "--run", str(tmp_path / "missing")]) == 2
+
+
+@pytest.mark.slow
+def test_tiny_config_improves_reward_during_rl(tmp_path):
+    """configs/tiny.yaml end to end (about 15-20 s on 2 idle cores): the RL phase raises the train reward."""
+    from pathlib import Path
+
+    from covrl.config import load_config
+
+    cfg = load_config(Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml",
+                      [f"run.output_dir={tmp_path}", "logging.console=false", "checkpoint.at_end=false"])
+    run = prepare_run(cfg, console=False)
+    summary = train_sync(run)
+    run.close()
+    records = read_jsonl(run.run_dir / "metrics.jsonl")
+    first = sum(r["reward/mean"] for r in records[:10]) / 10
+    last = sum(r["reward/mean"] for r in records[-10:]) / 10
+    assert summary["status"] == "completed" and last > first + 0.05, (first, last)
