@@ -166,3 +166,45 @@ def test_tiny_config_improves_reward_during_rl(tmp_path):
     first = sum(r["reward/mean"] for r in records[:10]) / 10
     last = sum(r["reward/mean"] for r in records[-10:]) / 10
     assert summary["status"] == "completed" and last > first + 0.05, (first, last)
+
+
+@pytest.mark.parametrize("rows, expected", [
+    ('{"prompt": "1+1=", "answer": "2"}\n{"question": "2+2=", "answer": "4"}\n', r"bad.jsonl:2: missing field 'prompt'"),
+    ("", "empty"),
+])
+def test_cli_train_bad_dataset_fails_before_creating_the_run_folder(tmp_path, capsys, rows, expected):
+    import re
+
+    data = tmp_path / "bad.jsonl"
+    data.write_text(rows)
+    args = ["train", "--no-progress", "--config", str(tmp_path / "c.yaml")]
+    from covrl.config import dump_config
+
+    (tmp_path / "c.yaml").write_text(dump_config(tiny_cfg(tmp_path / "runs", **{
+        "task.name": "jsonl", "task.path": str(data), "task.n_eval": 1})))
+    assert covrl_main(args) == 2
+    assert re.search(expected, capsys.readouterr().err)
+    assert not (tmp_path / "runs").exists()
+
+
+def test_cli_train_missing_model_is_a_clear_error(tmp_path, capsys):
+    from covrl.config import dump_config
+
+    (tmp_path / "c.yaml").write_text(dump_config(tiny_cfg(tmp_path / "runs", **{
+        "model.source": "hf", "model.path": str(tmp_path / "no-such-model")})))
+    assert covrl_main(["train", "--config", str(tmp_path / "c.yaml")]) == 2
+    assert "model.path" in capsys.readouterr().err and not (tmp_path / "runs").exists()
+
+
+def test_optional_sinks_name_their_extra(tmp_path):
+    import importlib.util
+
+    from covrl._lazy import MissingExtraError
+    from covrl.train.sinks import TensorBoardSink, WandbSink
+
+    if importlib.util.find_spec("tensorboard") is None:
+        with pytest.raises(MissingExtraError, match=r"covrl\[tensorboard\]"):
+            TensorBoardSink(tmp_path)
+    if importlib.util.find_spec("wandb") is None:
+        with pytest.raises(MissingExtraError, match=r"covrl\[wandb\]"):
+            WandbSink("p", "n", {}, tmp_path)

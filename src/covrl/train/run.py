@@ -279,22 +279,22 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
         latest = ckpt.latest_checkpoint(run_dir)
         if latest is None:
             raise FileNotFoundError(f"--resume: {run_dir}/checkpoints holds no complete checkpoint")
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.run.seed)
     device = resolve_device(cfg.run.device)
     needs_initial = cfg.run.save_initial or cfg.kl.coef > 0
 
+    # data and model first: bad input fails before a run folder is created
+    task = build_task(cfg.task)
+    stream = DataStream(task.train, seed=cfg.run.seed)
     t0 = time.perf_counter()
     model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)
     model.to(device)
     load_s = time.perf_counter() - t0
-    task = build_task(cfg.task)
-    stream = DataStream(task.train, seed=cfg.run.seed)
     generator = torch.Generator().manual_seed(cfg.run.seed)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
 
     sft_metrics: dict[str, float] = {}
     initial_dir = run_dir / "checkpoints" / "initial"
