@@ -144,9 +144,12 @@ def test_cli_train_then_eval(tmp_path, capsys):
     assert covrl_main(["eval", "--run", str(tmp_path / "cli"), "--out", str(tmp_path / "e.json")]) == 0
     result = json.loads((tmp_path / "e.json").read_text())
     assert 0.0 <= result["greedy"]["accuracy"] <= 1.0 and result["settings"]["n_prompts"] == 4
-    # a fresh run never overwrites a used folder; --resume continues the named one
+    # a fresh run never overwrites a used folder; --resume continues the named one from its own config
     assert covrl_main(["train", "--config", str(cfg_file), "--name", "cli", "--no-progress"]) == 0
     assert (tmp_path / "cli-2" / "summary.json").is_file()
+    assert covrl_main(["train", "--resume", "--name", str(tmp_path / "cli"), "loop.steps=3", "--no-progress"]) == 0
+    assert [r["step"] for r in read_jsonl(tmp_path / "cli" / "metrics.jsonl")] == [1, 2, 3]
+    assert "resumed from" in capsys.readouterr().out
     assert covrl_main(["eval", "--run", str(tmp_path / "missing")]) == 2
 
 

@@ -15,7 +15,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="override config fields, e.g. optim.lr=2e-5 sampler.temperature=0.7")
     parser.add_argument("--resume", action="store_true",
                         help="continue runs/<name> from its latest complete checkpoint")
-    parser.add_argument("--name", help="run folder name under run.output_dir (default: run.name or config stem)")
+    parser.add_argument("--name", help="run folder name under run.output_dir (default: run.name or config stem); "
+                                       "with --resume and no --config also a run folder path")
     parser.add_argument("--no-progress", action="store_true", help="plain log lines instead of a progress bar")
 
 
@@ -27,25 +28,25 @@ def run(args: argparse.Namespace) -> int:
     from covrl.config import ConfigError, load_config
 
     overrides = list(args.overrides)
-    if args.name:
-        overrides.append(f"run.name={args.name}")
     config_path = args.config
+    name = args.name
     if config_path is None:
         if not args.resume:
             _print_err("--config FILE is required (e.g. --config configs/default.yaml)")
             return 2
-        if not args.name:
+        if not name:
             _print_err("--resume without --config needs --name NAME (the run folder to resume)")
             return 2
-        # resume from the run's own resolved config
-        for root in ("runs",):
-            candidate = Path(root) / args.name / "config.yaml"
-            if candidate.is_file():
-                config_path = str(candidate)
-                break
-        else:
-            _print_err(f"--resume: runs/{args.name}/config.yaml not found; pass --config FILE")
+        # resume from the run's own resolved config: --name is a run name under runs/ or a run folder path
+        folder = Path(name) if (Path(name) / "config.yaml").is_file() else Path("runs") / name
+        if not (folder / "config.yaml").is_file():
+            _print_err(f"--resume: {folder}/config.yaml not found; pass --config FILE or the run folder as --name")
             return 2
+        config_path = str(folder / "config.yaml")
+        overrides = [f"run.output_dir={folder.parent}", *overrides]
+        name = folder.name
+    if name:
+        overrides.append(f"run.name={name}")
     try:
         cfg = load_config(config_path, overrides)
     except ConfigError as err:
