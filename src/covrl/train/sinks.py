@@ -77,9 +77,15 @@ CONSOLE_KEYS = {
 }
 
 
-def format_console(record: dict[str, Any]) -> str:
+# the subset shown in the live progress bar (it shares one terminal line with the bar)
+LIVE_KEYS = ("reward/mean", "accuracy", "response/length_mean", "grad_norm", "time/step")
+
+
+def format_console(record: dict[str, Any], keys=None) -> str:
     parts = []
     for key, (label, fmt) in CONSOLE_KEYS.items():
+        if keys is not None and key not in keys:
+            continue
         v = record.get(key)
         if isinstance(v, (int, float)):
             parts.append(f"{label} {fmt.format(v)}")
@@ -100,7 +106,7 @@ class ConsoleSink:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
 
-            self._progress = Progress(TextColumn("[bold]train"), BarColumn(), MofNCompleteColumn(),
+            self._progress = Progress(TextColumn("[bold]train"), BarColumn(bar_width=16), MofNCompleteColumn(),
                                       TimeElapsedColumn(), TextColumn("{task.fields[info]}"),
                                       console=Console(file=self.stream), transient=False)
             self._task = self._progress.add_task("train", total=total_steps, completed=start_step, info="")
@@ -108,11 +114,10 @@ class ConsoleSink:
 
     def write(self, record: dict[str, Any]) -> None:
         step = int(record.get("step", 0))
-        text = format_console(record)
         if self._progress is not None:
-            self._progress.update(self._task, completed=step, info=text)
+            self._progress.update(self._task, completed=step, info=format_console(record, LIVE_KEYS))
         else:
-            print(f"step {step}/{self.total}  {text}", file=self.stream, flush=True)
+            print(f"step {step}/{self.total}  {format_console(record)}", file=self.stream, flush=True)
 
     def message(self, text: str) -> None:
         if self._progress is not None:
