@@ -52,8 +52,12 @@ def test_tiny_run_writes_the_run_folder(tmp_path):
     assert (d / "checkpoints" / "ckpt-000000048" / "model" / "model.safetensors").is_file()
 
 
-def test_resume_reproduces_the_uninterrupted_run(tmp_path):
-    over = {"loop.steps": 6, "eval.before": False, "eval.sampled": False, "sampler.temperature": 1.0}
+LORA = {"model.lora": "{rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}", "optim.lr": 1e-2}
+
+
+@pytest.mark.parametrize("extra", [{}, LORA], ids=["full", "lora"])
+def test_resume_reproduces_the_uninterrupted_run(tmp_path, extra):
+    over = {"loop.steps": 6, "eval.before": False, "eval.sampled": False, "sampler.temperature": 1.0, **extra}
     straight = prepare_run(tiny_cfg(tmp_path, **{"run.name": "straight", **over}), console=False)
     train_sync(straight)
     straight.close()
