@@ -141,6 +141,22 @@ def build_bench_task(settings: StepSettings, tokenizer):
     return task, prompts
 
 
+def source_state() -> dict[str, Any]:
+    """The git commit of the covrl source tree and the files of src/ that differ from it (benchmarks run on
+    a tree other engineers edit, so a result names the code it measured)."""
+    import subprocess
+
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+                                 cwd=here.parent, capture_output=True, text=True, timeout=10).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "modified": []}
+    return {"commit": commit, "modified": sorted(line[3:] for line in changed if line.strip())}
+
+
 def rss_peak_mb() -> float:
     """Peak resident set size of this process in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0

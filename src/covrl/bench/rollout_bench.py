@@ -183,7 +183,7 @@ def run(args: argparse.Namespace) -> int:
         row["mean_load1"] = statistics.fmean(r["load1"] for rs in runs.values() for r in rs)
         rows.append(row)
 
-    results = {"model": args.model, "dtype": args.dtype, "threads": args.threads,
+    results = {"source": _trl.source_state(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
                "max_new_tokens": args.max_new_tokens, "bandwidth_GB_s": bandwidth / 1e9,
                "matmul_GFLOP_s": flops / 1e9, **costs, "rows": rows}
     header = ("| B (rows/prompt) | covrl tok/s | generate tok/s | covrl/generate | bandwidth bound | compute bound "

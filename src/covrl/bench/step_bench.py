@@ -211,7 +211,7 @@ def run(args: argparse.Namespace) -> int:
         variants.append({"variant": name, "step_s": med, "forward_backward_s": fb, "optimizer_s": opt,
                          "other_s": med - fb - opt, "overhead_vs_plain": med / plain_s - 1.0, "runs": rs})
 
-    results = {"model": args.model, "threads": args.threads, "grid": grid, "variants": variants,
+    results = {"source": _trl.source_state(), "model": args.model, "threads": args.threads, "grid": grid, "variants": variants,
                "prompt_sharing": prefix,
                "variant_batch": {"rows": args.rows, "prompt_length": args.prompt_length,
                                  "response_length": args.response_length, "micro_batch": args.micro_batch,

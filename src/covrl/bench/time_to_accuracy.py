@@ -90,7 +90,7 @@ def run(args: argparse.Namespace) -> int:
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
     load_before = os.getloadavg()
     timing = _trl.run_alternating({s: per_side[s] for s in sides}, sides, timeout_s=7200.0, progress=_progress)
-    results = {"target": args.target, "budget_s": args.budget_s, "eval_interval_s": args.eval_interval_s,
+    results = {"source": _trl.source_state(), "target": args.target, "budget_s": args.budget_s, "eval_interval_s": args.eval_interval_s,
                "covrl_config": cfg.model_dump(mode="json"), "covrl_config_path": config_path,
                "trl_settings": vars(per_side["trl"]), "load_before": load_before, "load_after": os.getloadavg(),
                "sides": {}}

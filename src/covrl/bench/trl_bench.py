@@ -84,7 +84,7 @@ def run(args: argparse.Namespace) -> int:
             "trained_tokens_per_s_covrl_over_trl": c["trained_tokens_per_s"] / t["trained_tokens_per_s"],
             "peak_rss_covrl_over_trl": c["peak_rss_mb"] / t["peak_rss_mb"],
         }
-    results = {"settings": vars(settings) | {"batch_size": settings.batch_size}, "sides": sides,
+    results = {"source": _trl.source_state(), "settings": vars(settings) | {"batch_size": settings.batch_size}, "sides": sides,
                "load_before": load_before, "load_after": os.getloadavg(), "agreement": agreement,
                "ratios": ratios, **timing}
     rows = ["| side | median step s | median gen s | rollouts/s | gen tok/s | trained tok/s | end-to-end tok/s | gen tokens/step | "
