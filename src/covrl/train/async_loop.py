@@ -114,6 +114,9 @@ def batch_from_state(state: dict[str, Any]) -> RolloutBatch:
 
 # ----------------------------------------------------------------------------------------- shared state
 
+class SamplerWorkerError(RuntimeError):
+    """A sampler worker (thread, process or Ray actor) died; the run stops and can be resumed."""
+
 class AsyncState:
     """What sampler workers and the trainer share: the staleness manager under one condition variable, the
     newest published weights, timing counters and the chunk -> prompts mapping."""
@@ -177,7 +180,7 @@ class AsyncState:
 
     def raise_if_failed(self) -> None:
         if self.error is not None:
-            raise RuntimeError(f"async sampler worker failed: {self.error!r}") from self.error
+            raise SamplerWorkerError(f"async sampler worker failed: {self.error!r}") from self.error
 
 
 def clone_weights(model) -> dict[str, torch.Tensor]:

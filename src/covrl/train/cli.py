@@ -59,7 +59,7 @@ def run(args: argparse.Namespace) -> int:
 
 def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
     """Prepare the run, train, print where results went. Exit codes: 0 ok, 2 bad input, 3 diverged,
-    4 checkpoint write failed (e.g. disk full), 130 interrupted."""
+    4 checkpoint write failed (e.g. disk full), 5 a sampler worker died, 130 interrupted."""
     from covrl.models import ModelNotFoundError
     from covrl.tasks import PromptTooLongError, RewardFunctionError
     from covrl.train.checkpoint import CheckpointError
@@ -69,7 +69,7 @@ def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
         from covrl.train.ray_backend import train_from_config_ray
 
         return train_from_config_ray(cfg, config_path=config_path, resume=resume)
-    from covrl.train.async_loop import loop_functions
+    from covrl.train.async_loop import SamplerWorkerError, loop_functions
 
     prepare_fn, train_fn = loop_functions(cfg.loop.mode)   # sync: prepare_run + train_sync
     try:
@@ -87,6 +87,9 @@ def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
     except (PromptTooLongError, RewardFunctionError, CheckpointError) as err:  # met mid-run: no traceback
         _print_err(f"{err}\nstopped; fix the cause, then: covrl train --resume --name {run_state.run_dir.name}")
         return 4 if isinstance(err, CheckpointError) else 2
+    except SamplerWorkerError as err:   # the worker is not restarted: stop cleanly, checkpoints stay usable
+        _print_err(f"{err}\nstopped; resume with: covrl train --resume --name {run_state.run_dir.name}")
+        return 5
     except KeyboardInterrupt:
         _print_err(f"interrupted; resume with: covrl train --resume --name {run_state.run_dir.name}")
         return 130
