@@ -143,6 +143,7 @@ class TrainerActor:
 def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int:
     """`covrl train` with loop.mode=ray: join or start Ray, run the trainer side (in an actor when
     async_loop.trainer_actor), print the summary. Exit codes as `covrl train`."""
+    from covrl.train.async_loop import SamplerWorkerError
     from covrl.train.cli import _print_err, _print_summary
     from covrl.train.trainer import TrainingDivergedError
 
@@ -164,6 +165,9 @@ def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int
                 if isinstance(cause, TrainingDivergedError):
                     _print_err(str(cause))
                     return 3
+                if isinstance(cause, SamplerWorkerError):
+                    _print_err(f"{cause}\nstopped; resume with: covrl train --resume --name NAME")
+                    return 5
                 raise
         else:
             run = prepare_async_run(cfg, config_path=config_path, resume=resume)
@@ -173,6 +177,9 @@ def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int
             except TrainingDivergedError as err:
                 _print_err(str(err))
                 return 3
+            except SamplerWorkerError as err:   # actors are not restarted: stop cleanly, checkpoints stay usable
+                _print_err(f"{err}\nstopped; resume with: covrl train --resume --name {run.run_dir.name}")
+                return 5
             finally:
                 run.close()
     except KeyboardInterrupt:
