@@ -57,8 +57,17 @@ ARMS = {
 
 def run_train(name: str, overrides: list[str], steps: int) -> dict:
     """Run one ``covrl train`` and return {rc, seconds, rows (metrics.jsonl records), error tail}."""
-    cmd = [str(COVRL), "train", "--config", str(ROOT / "configs/default.yaml"), "--name", name,
-           *COMMON, f"loop.steps={steps}", *overrides]
+    cmd = [
+        str(COVRL),
+        "train",
+        "--config",
+        str(ROOT / "configs/default.yaml"),
+        "--name",
+        name,
+        *COMMON,
+        f"loop.steps={steps}",
+        *overrides,
+    ]
     t0 = time.time()
     proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
     seconds = time.time() - t0
@@ -68,8 +77,13 @@ def run_train(name: str, overrides: list[str], steps: int) -> dict:
         rows = [json.loads(line) for line in metrics_path.read_text().splitlines() if line.strip()]
         rows = [r for r in rows if "reward/mean" in r]
     print(f"{name}: rc={proc.returncode} {seconds:.0f}s {len(rows)} steps", flush=True)
-    return {"rc": proc.returncode, "seconds": seconds, "overrides": overrides, "rows": rows,
-            "error": (proc.stderr or proc.stdout)[-1500:] if proc.returncode else None}
+    return {
+        "rc": proc.returncode,
+        "seconds": seconds,
+        "overrides": overrides,
+        "rows": rows,
+        "error": (proc.stderr or proc.stdout)[-1500:] if proc.returncode else None,
+    }
 
 
 def mean(values: list[float]) -> float | None:
@@ -83,8 +97,13 @@ def series(rows: list[dict], key: str) -> list[float | None]:
 
 def floor_summary(res: dict) -> dict:
     rows = res["rows"]
-    out = {"rc": res["rc"], "seconds": round(res["seconds"], 1), "overrides": res["overrides"],
-           "steps": len(rows), "error": res["error"]}
+    out = {
+        "rc": res["rc"],
+        "seconds": round(res["seconds"], 1),
+        "overrides": res["overrides"],
+        "steps": len(rows),
+        "error": res["error"],
+    }
     if rows:
         for key in ("mismatch/k3", "mismatch/k1", "kl_seq"):
             vals = series(rows, key)
@@ -96,8 +115,13 @@ def floor_summary(res: dict) -> dict:
 
 def study_summary(res: dict) -> dict:
     rows = res["rows"]
-    out = {"rc": res["rc"], "seconds": round(res["seconds"], 1), "overrides": res["overrides"],
-           "steps": len(rows), "error": res["error"]}
+    out = {
+        "rc": res["rc"],
+        "seconds": round(res["seconds"], 1),
+        "overrides": res["overrides"],
+        "steps": len(rows),
+        "error": res["error"],
+    }
     if rows:
         out["reward_last3"] = mean(series(rows, "reward/mean")[-3:])
         for key in ("kl_seq", "bound", "mismatch/k3", "correction/masked_frac", "correction/ess_frac"):
@@ -113,8 +137,12 @@ def plot(study: dict) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    panels = [("reward/mean", "reward (mean)"), ("kl_seq", "kl_seq (sampler vs trainer)"),
-              ("bound", "bound"), ("correction/masked_frac", "masked fraction")]
+    panels = [
+        ("reward/mean", "reward (mean)"),
+        ("kl_seq", "kl_seq (sampler vs trainer)"),
+        ("bound", "bound"),
+        ("correction/masked_frac", "masked fraction"),
+    ]
     fig, axes = plt.subplots(1, 4, figsize=(17, 3.8))
     for ax, (key, title) in zip(axes, panels):
         for arm, s in study.items():
@@ -138,8 +166,12 @@ def main() -> int:
     parser.add_argument("--skip-floors", action="store_true")
     parser.add_argument("--skip-study", action="store_true")
     parser.add_argument("--study-steps", type=int, default=8)
-    parser.add_argument("--rs-threshold", type=float, default=1e-4,
-                        help="upper bound on the sequence-mean k3 for the rejection arm")
+    parser.add_argument(
+        "--rs-threshold",
+        type=float,
+        default=1e-3,
+        help="upper bound on the sequence-mean k3 for the rejection arm",
+    )
     args = parser.parse_args()
     OUT.mkdir(parents=True, exist_ok=True)
     summary_path = OUT / "summary.json"
