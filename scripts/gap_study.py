@@ -95,15 +95,15 @@ def series(rows: list[dict], key: str) -> list[float | None]:
     return [r.get(key) for r in rows]
 
 
+def run_header(res: dict) -> dict:
+    """What every run summary starts with: exit code, time, overrides, steps, error."""
+    return {"rc": res["rc"], "seconds": round(res["seconds"], 1), "overrides": res["overrides"],
+            "steps": len(res["rows"]), "error": res["error"]}
+
+
 def floor_summary(res: dict) -> dict:
     rows = res["rows"]
-    out = {
-        "rc": res["rc"],
-        "seconds": round(res["seconds"], 1),
-        "overrides": res["overrides"],
-        "steps": len(rows),
-        "error": res["error"],
-    }
+    out = run_header(res)
     if rows:
         for key in ("mismatch/k3", "mismatch/k1", "kl_seq"):
             vals = series(rows, key)
@@ -115,13 +115,7 @@ def floor_summary(res: dict) -> dict:
 
 def study_summary(res: dict) -> dict:
     rows = res["rows"]
-    out = {
-        "rc": res["rc"],
-        "seconds": round(res["seconds"], 1),
-        "overrides": res["overrides"],
-        "steps": len(rows),
-        "error": res["error"],
-    }
+    out = run_header(res)
     if rows:
         out["reward_last3"] = mean(series(rows, "reward/mean")[-3:])
         for key in ("kl_seq", "bound", "mismatch/k3", "correction/masked_frac", "correction/ess_frac"):
