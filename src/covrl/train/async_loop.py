@@ -178,6 +178,12 @@ class AsyncState:
             self.stop = True
             self.cond.notify_all()
 
+    def request_stop(self) -> None:
+        """Tell the sampler side to stop admitting and generating chunks."""
+        with self.cond:
+            self.stop = True
+            self.cond.notify_all()
+
     def raise_if_failed(self) -> None:
         if self.error is not None:
             raise SamplerWorkerError(f"async sampler worker failed: {self.error!r}") from self.error
@@ -378,10 +384,7 @@ class ThreadPool(_LocalWorkerMixin):
             return run.run_eval(label)
 
     def stop(self) -> None:
-        st = self.state
-        with st.cond:
-            st.stop = True
-            st.cond.notify_all()
+        self.state.request_stop()
         if self.thread.is_alive():
             self.thread.join(timeout=600)
 

@@ -208,10 +208,7 @@ class DispatchPool:
         return run.run_eval(label)
 
     def stop(self) -> None:
-        st = self.state
-        with st.cond:
-            st.stop = True
-            st.cond.notify_all()
+        self.state.request_stop()
         if self.thread.is_alive():
             self.thread.join(timeout=600)
         # let chunks already generating finish, so the final checkpoint holds them as finished
