@@ -181,10 +181,10 @@ def test_variance_proxies_hand_case():
     adv = torch.tensor([[1.0, 1.0], [-2.0, 0.0]])
     mask = torch.tensor([[1.0, 1.0], [1.0, 0.0]])
     proxy = torch.tensor([[0.5, 0.25], [2.0, 9.0]])
-    m = variance_proxies(adv, mask, proxy, grad_norm_sq=0.5)
-    # Â = [1, −2], Ŵ = [0.75, 2.0], P = (1·0.75 + 4·2)/2 = 4.375, noise = (4.375 − 0.5)/(2 − 1)
+    m = variance_proxies(adv, mask, proxy)
+    # Â = [1, −2], Ŵ = [0.75, 2.0], P = (1·0.75 + 4·2)/2 = 4.375, mean Ŵ = 1.375
     assert m["adv/var_power"] == pytest.approx(4.375)
-    assert m["adv/var_noise"] == pytest.approx(3.875)
+    assert m["adv/var_proxy_mean"] == pytest.approx(1.375)
 
 
 def test_errors_name_choices_and_shapes():

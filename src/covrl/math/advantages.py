@@ -191,7 +191,7 @@ ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
 }
 
 # inputs compute_advantages itself understands (for the variance-proxy metrics) even if the estimator does not
-_METRIC_INPUTS = ("logprobs", "sum_pi_sq", "is_weights", "grad_norm_sq")
+_METRIC_INPUTS = ("logprobs", "sum_pi_sq", "is_weights")
 
 
 # ------------------------------------------------------------------------------------------------ plumbing
@@ -232,23 +232,18 @@ def make_advantage_batch(rewards: torch.Tensor, mask: torch.Tensor, group_ids: t
                           group_index=index, num_groups=num_groups, group_size=counts[index])
 
 
-def variance_proxies(advantages: torch.Tensor, mask: torch.Tensor, proxy: torch.Tensor,
-                     grad_norm_sq: float | None = None) -> dict[str, float]:
-    """Gradient-variance proxies (RESEARCH §7).
+def variance_proxies(advantages: torch.Tensor, mask: torch.Tensor, proxy: torch.Tensor) -> dict[str, float]:
+    """Forward-only gradient-variance proxies (RESEARCH §7), in logit-gradient units.
 
     Per sequence Â_b = mean_t A (valid tokens), Ŵ_b = Σ_t w_t m_t with w the logit-gradient proxy;
-    total power P = mean_b Â_b²·max(Ŵ_b, 0); with the measured squared gradient norm (signal ‖ḡ‖²):
-    noise = max(0, (P − signal)/(N − 1)), N = number of sequences.
+    total power P = mean_b Â_b²·max(Ŵ_b, 0) (exactly mean_b ‖g_b‖² when the parameters are the per-position
+    logits and A is constant along a row). A network's gradient norm is in parameter units, so the §7 noise
+    (P − ‖ḡ‖²)/(N − 1) is not formed here: covrl.diagnostics.noise estimates the split in parameter units.
     """
     a_hat = masked_mean(advantages.float(), mask, dim=1)
     w_hat = (proxy.float() * mask).sum(1)
     power = (a_hat.square() * w_hat.clamp_min(0)).mean()
-    out = {"adv/var_power": item(power), "adv/var_proxy_mean": item(w_hat.mean())}
-    if grad_norm_sq is not None:
-        n = advantages.shape[0]
-        out["adv/var_signal"] = float(grad_norm_sq)
-        out["adv/var_noise"] = max(0.0, (item(power) - float(grad_norm_sq)) / max(n - 1, 1))
-    return out
+    return {"adv/var_power": item(power), "adv/var_proxy_mean": item(w_hat.mean())}
 
 
 def _metrics(batch: AdvantageBatch, adv: torch.Tensor) -> dict[str, float]:
@@ -282,8 +277,8 @@ def compute_advantages(name: str, *, rewards: torch.Tensor, mask: torch.Tensor, 
 
     rewards [B] or [B, T]; mask [B, T]; group_ids [B] integer. Extra `inputs` are the estimator's options
     (e.g. otb: logprobs, sum_pi_sq, is_weights, handle_zero_tail; grpo: eps). Any estimator also accepts
-    `logprobs` + `sum_pi_sq` (+ `is_weights`) to report the gradient-variance proxies of RESEARCH §7, and
-    `grad_norm_sq` for the noise estimate. Unknown inputs raise a TypeError naming the accepted ones.
+    `logprobs` + `sum_pi_sq` (+ `is_weights`) to report the forward-only gradient-variance proxies of
+    RESEARCH §7. Unknown inputs raise a TypeError naming the accepted ones.
     Metrics: adv/mean, adv/std, adv/abs_max, adv/num_groups, adv/group_size_mean, adv/frac_zero_std_groups,
     adv/frac_singleton_groups, adv/score_mean, adv/score_std, adv/frac_zero_adv_tokens, adv/var_* (proxies).
     """
@@ -301,5 +296,5 @@ def compute_advantages(name: str, *, rewards: torch.Tensor, mask: torch.Tensor, 
         lp, sps = inputs.get("logprobs"), inputs.get("sum_pi_sq")
         if lp is not None and sps is not None:
             proxy = _otb_proxy(lp, sps, inputs.get("is_weights"), batch.mask)
-            metrics.update(variance_proxies(adv, batch.mask, proxy, inputs.get("grad_norm_sq")))
+            metrics.update(variance_proxies(adv, batch.mask, proxy))
     return AdvantageOutput(advantages=adv, returns=batch.returns, metrics=metrics)

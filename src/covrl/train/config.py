@@ -174,6 +174,9 @@ class LoggingConfig(_Section):
     wandb_project: str = Field("covrl", description="wandb project name")
     curves: bool = Field(True, description="draw curves.png at the end of the run")
     diagnostics: bool = Field(True, description="log tangent/remainder/kl_seq/bound (RESEARCH §5) each step")
+    noise_scale: bool = Field(
+        True, description="log the gradient noise split noise/* (RESEARCH §7, parameter units) from micro-batch "
+        "gradient norms; a step that fits one micro-batch is then run as two halves of whole groups")
 
 
 class TrainConfig(_Section):

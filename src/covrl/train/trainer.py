@@ -35,7 +35,6 @@ from covrl.math import (
     compute_advantages,
     entropy_from_logits,
     kl_estimate,
-    logit_grad_proxy,
     policy_loss,
     rollout_correction,
     score_centering_term,
@@ -225,7 +224,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay, **_fused_if_supported(self.params))
         self.surge = LengthSurgeSchedule(cfg.lr_surge, rollouts_per_step=cfg.loop.rollouts_per_step)
-        self.noise = _noise_monitor(cfg.algorithm.agg_mode)
+        self.noise = _noise_monitor() if cfg.logging.noise_scale else None
         self.temperature = float(cfg.sampler.temperature)
         self.rollouts = 0
         self.version = 0
@@ -292,6 +291,7 @@ class Trainer:
         full_sps = torch.zeros_like(full_lp)
         loss_total = 0.0
         loss_metrics: dict[str, float] = {}
+        micro = _MicroNorms(self.params, cfg.algorithm.agg_mode) if self.noise is not None else None
         t_fb = time.perf_counter()
         for index in plan:
             idx = torch.as_tensor(index, dtype=torch.long, device=device)
@@ -313,7 +313,11 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 return self._skip(metrics, f"non-finite loss ({float(loss.detach())}) in a micro-batch of {len(index)} rows",
                                   t_start)
+            if micro is not None:
+                micro.before_backward()
             loss.backward()
+            if micro is not None:
+                micro.after_backward(mb.response_mask)
             fault_point("backward")  # reliability tests: COVRL_FAULT (no-op otherwise)
             loss_total += float(loss.detach())
             share = float(mb.response_mask.sum()) / float(mask.sum())
@@ -335,7 +339,10 @@ class Trainer:
         t_end = time.perf_counter()
 
         metrics.update(loss_metrics)
-        metrics.update(self._batch_diagnostics(batch, rewards, full_lp, full_ent, full_sps, grad_norm))
+        metrics.update(self._batch_diagnostics(batch, rewards, full_lp, full_ent, full_sps))
+        if self.noise is not None:
+            metrics.update(self.noise.update(grad_norm_sq=grad_norm ** 2, micro_grad_norms_sq=micro.norms_sq,
+                                             micro_batch_sizes=micro.sizes, micro_scaled=True))
         metrics.update({
             "loss": loss_total, "grad_norm": grad_norm, "skipped": 0.0,
             "time/forward_backward": t_opt - t_fb, "time/optimizer": t_end - t_opt,
@@ -381,6 +388,8 @@ class Trainer:
             current = current + g
         if current:
             plan.append(current)
+        if self.noise is not None and len(plan) == 1 and len(groups) >= 2:
+            plan = _halves(list(groups.values()))   # two batch sizes for the noise estimate, same total gradient
         return plan, True
 
     def _advantage_inputs(self, lp, sps, weights) -> dict[str, Any]:
@@ -474,7 +483,7 @@ class Trainer:
         return loss, metrics
 
     def _batch_diagnostics(self, batch: RolloutBatch, rewards: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor,
-                           sps: torch.Tensor, grad_norm: float) -> dict[str, float]:
+                           sps: torch.Tensor) -> dict[str, float]:
         """Full-batch metrics from the detached per-token quantities of the step (no extra forward)."""
         mask = batch.response_mask.float()
         q = batch.sampler_logprobs.float()
@@ -483,11 +492,8 @@ class Trainer:
         m.update(corr.metrics)
         weights = self._is_weights(corr)
         adv = compute_advantages(self.cfg.algorithm.advantage, rewards=rewards, mask=mask, group_ids=batch.group_ids,
-                                 grad_norm_sq=grad_norm ** 2, **self._advantage_inputs(lp, sps, weights))
+                                 **self._advantage_inputs(lp, sps, weights))
         m.update(adv.metrics)
-        if self.noise is not None:
-            m.update(self.noise.update(grad_norm_sq=grad_norm ** 2, advantages=adv.advantages,
-                                       logit_grad_proxy=logit_grad_proxy(lp, sps), mask=mask))
         if self.cfg.logging.diagnostics:
             m.update(_tangent_metrics(lp, q, rewards, mask, batch.group_ids))
         return m
@@ -558,14 +564,56 @@ def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     return replace(batch, **{k: (v.clone() if v.is_inference() else v).to(device) for k, v in fields.items()})
 
 
-def _noise_monitor(agg_mode: str):
-    """GradientNoiseMonitor for the §7 proxies (None when the diagnostics module or the aggregation is not
-    supported)."""
-    try:
-        from covrl.diagnostics.noise import AGGREGATIONS, GradientNoiseMonitor
-    except ImportError:  # pragma: no cover - diagnostics are part of the package
-        return None
-    return GradientNoiseMonitor(aggregation=agg_mode if agg_mode in AGGREGATIONS else "token-mean")
+def _halves(groups: list[list[int]]) -> list[list[int]]:
+    """Two micro-batches of whole groups with row counts as equal as the groups allow."""
+    total = sum(len(g) for g in groups)
+    first: list[int] = []
+    k = 0
+    while k < len(groups) - 1 and abs(2 * (len(first) + len(groups[k])) - total) <= abs(2 * len(first) - total):
+        first += groups[k]
+        k += 1
+    if not first:
+        first, k = list(groups[0]), 1
+    return [first, [row for g in groups[k:] for row in g]]
+
+
+def _noise_monitor():
+    """GradientNoiseMonitor for the §7 split in parameter units (imported here: diagnostics sit above train)."""
+    from covrl.diagnostics.noise import GradientNoiseMonitor
+
+    return GradientNoiseMonitor()
+
+
+class _MicroNorms:
+    """Squared norm and size (in the loss's averaging unit) of each micro-batch's contribution to the accumulated
+    gradient: ‖.grad after − .grad before‖², with one snapshot of .grad kept between backward passes."""
+
+    def __init__(self, params: list[torch.Tensor], agg_mode: str):
+        from covrl.diagnostics.noise import LOSS_UNITS
+
+        self.params = params
+        self.count_tokens = LOSS_UNITS.get(agg_mode, "rows") == "tokens"
+        self.norms_sq: list[float] = []
+        self.sizes: list[float] = []
+        self._before: list[torch.Tensor | None] | None = None
+
+    def before_backward(self) -> None:
+        if self.norms_sq:  # the first micro-batch starts from zero gradients: no snapshot needed
+            self._before = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
+
+    @torch.no_grad()
+    def after_backward(self, response_mask: torch.Tensor) -> None:
+        total = torch.zeros((), dtype=torch.float64)
+        for i, p in enumerate(self.params):
+            if p.grad is None:
+                continue
+            prev = None if self._before is None else self._before[i]
+            delta = p.grad if prev is None else p.grad - prev
+            total += delta.double().square().sum().cpu()
+        self._before = None
+        self.norms_sq.append(float(total))
+        rows_with_tokens = (response_mask.sum(1) > 0).sum()
+        self.sizes.append(float(response_mask.sum() if self.count_tokens else rows_with_tokens))
 
 
 _TANGENT_KEYS = ("tangent", "remainder", "gain", "kl_seq", "bound", "bound_ratio")

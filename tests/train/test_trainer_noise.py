@@ -1,0 +1,71 @@
+"""The trainer's gradient-noise metrics (RESEARCH §7 split in parameter units) against brute force: the gradient
+of each micro-batch computed on its own."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from test_trainer import assert_grads_close, grads_of_step, make_model
+from train_helpers import synthetic_batch, tiny_cfg
+
+from covrl.diagnostics.noise import micro_batch_noise_scale
+from covrl.train.trainer import Trainer, _halves
+
+torch.set_num_threads(1)
+
+
+def norm_sq(grads) -> float:
+    return float(sum(g.double().square().sum() for g in grads))
+
+
+def brute_force(cfg, batch, parts, agg_mode):
+    """Noise estimate from each part's own mean gradient (a separate step on that part alone)."""
+    own, sizes = [], []
+    for rows in parts:
+        sub = batch.select(torch.as_tensor(rows))
+        own.append(norm_sq(grads_of_step(cfg, sub)[0]))
+        m = sub.response_mask
+        sizes.append(float(m.sum()) if agg_mode == "token-mean" else float((m.sum(1) > 0).sum()))
+    full, metrics = grads_of_step(cfg, batch)
+    return micro_batch_noise_scale(own, sizes, norm_sq(full)), metrics
+
+
+@pytest.mark.parametrize("agg_mode", ["seq-mean-token-sum", "token-mean"])
+def test_noise_from_whole_group_micro_batches_matches_brute_force(agg_mode):
+    model = make_model()
+    batch = synthetic_batch(model, groups=4, group_size=3, max_len=6, seed=3)
+    cfg = tiny_cfg(**{"algorithm.agg_mode": agg_mode, "optim.max_grad_norm": None, "optim.micro_batch_size": 3,
+                      "algorithm.advantage": "rloo"})
+    parts = [list(range(3 * g, 3 * g + 3)) for g in range(4)]
+    expected, metrics = brute_force(cfg, batch, parts, agg_mode)
+    assert abs(expected.trace_sigma) > 1e-6   # a real, non-degenerate case
+    for key in ("trace_sigma", "grad_sq", "signal", "power", "noise"):
+        assert metrics[f"noise/{key}"] == pytest.approx(getattr(expected, key), rel=1e-3, abs=1e-9), key
+    # §7 identity in parameter units: noise = (P − S)/(N − 1), N = batch size in the loss's unit
+    n = float(batch.response_mask.sum()) if agg_mode == "token-mean" else len(batch)
+    assert metrics["noise/noise"] == pytest.approx(
+        max(0.0, (metrics["noise/power"] - metrics["noise/signal"]) / (n - 1)), rel=1e-9)
+
+
+def test_one_micro_batch_is_split_into_halves_without_changing_the_gradient():
+    model = make_model()
+    batch = synthetic_batch(model, groups=3, group_size=4, seed=5)
+    base = {"optim.max_grad_norm": None, "optim.micro_batch_size": 32}
+    cfg = tiny_cfg(**base)
+    halves = _halves([list(range(4 * g, 4 * g + 4)) for g in range(3)])
+    assert sorted(len(h) for h in halves) == [4, 8]
+    expected, metrics = brute_force(cfg, batch, halves, cfg.algorithm.agg_mode)
+    assert metrics["noise/trace_sigma"] == pytest.approx(expected.trace_sigma, rel=1e-3)
+    assert metrics["noise/noise_ema"] == pytest.approx(metrics["noise/noise"])   # first step: EMA = value
+    with_split, _ = grads_of_step(cfg, batch)
+    without, plain = grads_of_step(tiny_cfg(**base, **{"logging.noise_scale": False}), batch)
+    assert_grads_close(with_split, without, rtol=1e-5, atol=1e-7)
+    assert not any(k.startswith("noise/") for k in plain)
+
+
+def test_single_group_logs_only_the_signal():
+    model = make_model()
+    batch = synthetic_batch(model, groups=1, group_size=4)
+    metrics = Trainer(model, tiny_cfg(**{"optim.max_grad_norm": None})).step(batch)
+    assert metrics["noise/signal"] == pytest.approx(metrics["grad_norm"] ** 2, rel=1e-6)
+    assert "noise/trace_sigma" not in metrics
