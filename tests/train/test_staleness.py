@@ -207,3 +207,20 @@ def test_metrics_by_hand():
     m = staleness_metrics([0, 0, 1, 3], 8)
     assert m["async/staleness_mean"] == 1.0 and m["async/staleness_max"] == 3.0
     assert m["async/stale_fraction"] == 0.5 and m["async/lag_rollouts_mean"] == 8.0
+
+
+def test_requeued_chunk_is_handed_out_again_first_with_its_tickets():
+    m = StalenessManager(batch_rollouts=4, max_lag_rollouts=8)
+    a = m.try_start(4, 0, meta={"rng_before": "A"})
+    b = m.try_start(4, 0, meta={"rng_before": "B"})
+    m.complete(b, "payload-b")
+    m.requeue(a)                                  # a's worker died
+    again = m.try_start(4, 1)
+    assert again is a and again.ticket == 0 and again.meta["rng_before"] == "A" and again.version == 1
+    assert m.running == 4 and m.accepted == 4     # counted once, not twice
+    m.complete(again, "payload-a")
+    m.check_invariants()
+    with pytest.raises(ValueError, match="running chunk"):
+        m.requeue(b)                              # a finished chunk cannot go back
+    with pytest.raises(ValueError, match="completed twice"):
+        m.complete(a, "again")

@@ -45,6 +45,9 @@ class AsyncLoopConfig(BaseModel):
                           "None = start a local Ray instance")
     num_samplers: int = Field(1, ge=1, description="sampler workers generating in parallel (Ray actors, or "
                                                    "processes with local_backend=process)")
+    max_worker_restarts: int = Field(
+        3, ge=0, description="sampler processes / Ray actors that die are restarted this many times in a run (their "
+        "chunk is generated again, same tickets); after that the run stops and can be resumed")
     sampler_cpus: float = Field(1.0, gt=0, description="CPUs reserved per Ray sampler actor")
     sampler_gpus: float = Field(0.0, ge=0, description="GPUs reserved per Ray sampler actor")
     trainer_actor: bool = Field(

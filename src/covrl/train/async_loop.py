@@ -148,6 +148,7 @@ class AsyncState:
         self.floor_samples = 0
         self.floor_sum = 0.0
         self.chunks_generated = 0
+        self.worker_restarts = 0
         self.num_samplers = 1
         self.start_consumed = 0
         self.pad_id = int(run.tokenizer.pad_token_id if run.tokenizer.pad_token_id is not None
@@ -469,6 +470,7 @@ def _step_record(run, trainer, batch: RolloutBatch, res: TakeResult, metrics: di
         "async/trainer_idle_frac": min(1.0, state.trainer_idle_s / wall),
         "async/rollouts_per_s": consumed / wall,
         "async/sampler_version": float(getattr(run.sampler, "version", -1)),
+        "async/worker_restarts": float(state.worker_restarts),
     })
     if "kl_seq" in metrics:
         record["gap/total"] = metrics["kl_seq"]

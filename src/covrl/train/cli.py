@@ -87,7 +87,7 @@ def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
     except (PromptTooLongError, RewardFunctionError, CheckpointError) as err:  # met mid-run: no traceback
         _print_err(f"{err}\nstopped; fix the cause, then: covrl train --resume --name {run_state.run_dir.name}")
         return 4 if isinstance(err, CheckpointError) else 2
-    except SamplerWorkerError as err:   # the worker is not restarted: stop cleanly, checkpoints stay usable
+    except SamplerWorkerError as err:   # past the worker restart budget: stop cleanly, checkpoints stay usable
         _print_err(f"{err}\nstopped; resume with: covrl train --resume --name {run_state.run_dir.name}")
         return 5
     except KeyboardInterrupt:

@@ -76,7 +76,21 @@ class RayPool(DispatchPool):
 
     def _poll(self, timeout: float) -> list[tuple[Any, dict]]:
         done, _ = self.ray.wait(list(self.inflight), num_returns=1, timeout=timeout)
-        return [(call, self.ray.get(call)) for call in done]
+        out = []
+        for call in done:
+            try:
+                out.append((call, self.ray.get(call)))
+            except self.ray.exceptions.RayActorError as err:   # the actor died (killed, OOM, node lost)
+                self._worker_lost(self.inflight[call][0], f"{type(err).__name__}")
+        return out
+
+    def _restart_worker(self, rank: int) -> None:
+        try:
+            self.ray.kill(self.actors[rank])
+        except Exception:  # already gone
+            pass
+        self.actors[rank] = new_sampler_actor(self.state.run.cfg, rank)
+        self.ray.get(self.actors[rank].ready.remote())
 
     def _collect(self, call: Any, timeout: float) -> dict:
         return self.ray.get(call, timeout=timeout)
@@ -85,13 +99,17 @@ class RayPool(DispatchPool):
 def start_sampler_actors(cfg) -> list:
     """`async_loop.num_samplers` sampler actors for `cfg` (Ray must be initialised); waits until they are up."""
     ray = _ray()
-    acfg = cfg.async_loop
-    actor_cls = ray.remote(SamplerActor)
-    cfg_dict = cfg.model_dump(mode="json")
-    actors = [actor_cls.options(num_cpus=acfg.sampler_cpus, num_gpus=acfg.sampler_gpus).remote(cfg_dict, rank)
-              for rank in range(acfg.num_samplers)]
+    actors = [new_sampler_actor(cfg, rank) for rank in range(cfg.async_loop.num_samplers)]
     ray.get([a.ready.remote() for a in actors])
     return actors
+
+
+def new_sampler_actor(cfg, rank: int):
+    """Start sampler actor `rank` for `cfg` (not waiting for it to be up)."""
+    acfg = cfg.async_loop
+    actor_cls = _ray().remote(SamplerActor)
+    return actor_cls.options(num_cpus=acfg.sampler_cpus, num_gpus=acfg.sampler_gpus).remote(
+        cfg.model_dump(mode="json"), rank)
 
 
 def train_ray(run, *, stop_after: int | None = None, actors: list | None = None) -> dict[str, Any]:
@@ -177,7 +195,7 @@ def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int
             except TrainingDivergedError as err:
                 _print_err(str(err))
                 return 3
-            except SamplerWorkerError as err:   # actors are not restarted: stop cleanly, checkpoints stay usable
+            except SamplerWorkerError as err:   # past the actor restart budget: stop cleanly, checkpoints stay usable
                 _print_err(f"{err}\nstopped; resume with: covrl train --resume --name {run.run_dir.name}")
                 return 5
             finally:

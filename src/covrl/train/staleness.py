@@ -148,6 +148,15 @@ class StalenessManager:
         self._chunks.append(chunk)
         return chunk
 
+    def requeue(self, chunk: Chunk) -> None:
+        """A running chunk whose worker died is handed out again by `try_start`, first and with its tickets and
+        meta (as after a resume), so its rollouts are neither lost nor generated twice."""
+        if chunk.done or chunk not in self._chunks:
+            raise ValueError(f"only a running chunk of this queue can be requeued (ticket {chunk.ticket})")
+        if chunk not in self._restart:
+            self._restart.append(chunk)
+            self._restart.sort(key=lambda c: c.ticket)
+
     def complete(self, chunk: Chunk, payload: Any = None) -> None:
         """The chunk finished generating (and was scored); it becomes available in ticket order."""
         if chunk.done:

@@ -22,14 +22,22 @@ from typing import Any
 
 import torch
 
-from covrl.train.async_loop import AsyncState, build_async_sampler, clone_weights, floor_probe, generate_chunk
+from covrl.train.async_loop import (
+    AsyncState,
+    SamplerWorkerError,
+    build_async_sampler,
+    clone_weights,
+    floor_probe,
+    generate_chunk,
+)
 
 __all__ = ["DispatchPool", "ProcessPool", "SamplerWorker", "sampler_seed"]
 
 
-def sampler_seed(seed: int, rank: int) -> int:
-    """Sampler `rank`'s generator seed; rank 0 uses the run seed (as the local loops' generator does)."""
-    return int(seed) + 7919 * int(rank)
+def sampler_seed(seed: int, rank: int, epoch: int = 0) -> int:
+    """Sampler `rank`'s generator seed; rank 0 uses the run seed (as the local loops' generator does). `epoch`
+    > 0 gives a rank a fresh stream after its old one was handed to a regenerated chunk."""
+    return int(seed) + 7919 * int(rank) + 104729 * int(epoch)
 
 
 class SamplerWorker:
@@ -97,6 +105,8 @@ class DispatchPool:
         self.worker_version = [-1] * num_workers   # weights version each worker holds (-1: none sent yet)
         self.idle_since = [time.perf_counter()] * num_workers
         self.inflight: dict[Any, tuple[int, Any]] = {}
+        self.restarts = 0          # workers restarted in this run (async_loop.max_worker_restarts)
+        self.rng_epoch = [0] * num_workers
         self.thread = threading.Thread(target=self._loop, name=f"covrl-{self.name}-dispatch", daemon=True)
 
     # -- transport (subclasses) ------------------------------------------------------------------------------
@@ -113,15 +123,45 @@ class DispatchPool:
     def _collect(self, call: Any, timeout: float) -> dict:
         raise NotImplementedError
 
+    def _restart_worker(self, rank: int) -> None:
+        """Replace worker `rank` by a new one and return once it is up."""
+        raise NotImplementedError
+
+    # -- lost workers ------------------------------------------------------------------------------------------
+    def _worker_lost(self, rank: int, why: str) -> None:
+        """Worker `rank` died: its chunk goes back to the queue's hand-out order (same tickets and randomness,
+        so nothing is lost or generated twice) and a new worker takes its place, at most
+        `async_loop.max_worker_restarts` times per run; then the run stops (SamplerWorkerError) and can be
+        resumed from its last checkpoint."""
+        st = self.state
+        limit = st.acfg.max_worker_restarts
+        if self.restarts >= limit:
+            raise SamplerWorkerError(f"sampler worker {rank} ({self.name}) died: {why}; "
+                                     f"async_loop.max_worker_restarts={limit} restarts already used")
+        self.restarts += 1
+        with st.cond:
+            for call, (r, chunk) in list(self.inflight.items()):
+                if r == rank:
+                    del self.inflight[call]
+                    st.manager.requeue(chunk)
+            self.worker_version[rank] = -1
+            st.worker_restarts = self.restarts
+        print(f"covrl: sampler worker {rank} ({self.name}) died: {why}; restarting it "
+              f"({self.restarts}/{limit})", flush=True)
+        self._restart_worker(rank)
+        self.idle_since[rank] = time.perf_counter()
+
     # -- checkpoint of the workers' RNG positions --------------------------------------------------------------
     def extra_state(self) -> dict[str, Any]:
-        return {"worker_rng": list(self.worker_rng)}
+        return {"worker_rng": list(self.worker_rng), "rng_epoch": list(self.rng_epoch)}
 
     def load_extra_state(self, saved: dict[str, Any] | None) -> None:
         if saved:
             rngs = saved.get("worker_rng", saved.get("actor_rng", []))
             for r, s in enumerate(rngs[: len(self.worker_rng)]):
                 self.worker_rng[r] = s
+            for r, e in enumerate(saved.get("rng_epoch", [])[: len(self.rng_epoch)]):
+                self.rng_epoch[r] = int(e)
 
     # -- pool protocol -----------------------------------------------------------------------------------------
     def start(self) -> None:
@@ -149,6 +189,14 @@ class DispatchPool:
                 return
             rng = chunk.meta.get("rng_before", self.worker_rng[rank])
             chunk.meta["rng_before"] = rng
+            origin = int(chunk.meta.get("sampler", rank))
+            if origin != rank and origin < self.num_samplers:
+                # a regenerated chunk continues its origin's stream here; the origin starts a fresh one, so no two
+                # chunks ever start from the same generator state
+                self.rng_epoch[origin] += 1
+                self.worker_rng[origin] = torch.Generator().manual_seed(
+                    sampler_seed(st.run.cfg.run.seed, origin, self.rng_epoch[origin])).get_state()
+            chunk.meta["sampler"] = rank
             examples, positions = st.chunk_examples(chunk)
             probe = bool(st.acfg.floor_probe_every) and st.chunks_generated % st.acfg.floor_probe_every == 0
             send = handle if (self.worker_version[rank] != version or probe) else None
@@ -242,7 +290,7 @@ def _process_main(cfg_dict: dict, rank: int, inbox, outbox) -> None:
         worker = SamplerWorker(cfg_dict, rank)
         outbox.put(("ready", rank, os.getpid()))
     except BaseException:
-        outbox.put(("error", rank, traceback.format_exc()))
+        outbox.put(("start_error", rank, traceback.format_exc()))
         return
     while True:
         msg = inbox.get()
@@ -271,46 +319,67 @@ class ProcessPool(DispatchPool):
 
         n = state.acfg.num_samplers
         super().__init__(state, n)
-        ctx = multiprocessing.get_context("spawn")
-        self.outbox = ctx.Queue()
-        self.inboxes = [ctx.Queue() for _ in range(n)]
-        cfg_dict = state.run.cfg.model_dump(mode="json")
-        self.procs = [ctx.Process(target=_process_main, args=(cfg_dict, r, self.inboxes[r], self.outbox),
-                                  daemon=True, name=f"covrl-sampler-{r}") for r in range(n)]
-        # the children's thread pools are sized at `import torch`, before any code of ours runs there: set the
-        # thread variables in the environment they inherit (as Ray does for its workers), then restore ours
-        threads = str(state.acfg.sampler_threads or max(1, int(state.acfg.sampler_cpus)))
+        self.ctx = multiprocessing.get_context("spawn")
+        self.outbox = self.ctx.Queue()
+        self.inboxes = [self.ctx.Queue() for _ in range(n)]
+        self.cfg_dict = state.run.cfg.model_dump(mode="json")
+        self.threads = str(state.acfg.sampler_threads or max(1, int(state.acfg.sampler_cpus)))
+        self.procs = [self._spawn(r) for r in range(n)]
+        self._results: dict[Any, dict] = {}
+        self._calls = 0
+        self._starting = set(range(n))
+        while self._starting:
+            try:
+                self._receive(timeout=1.0)
+            except queue_lib.Empty:
+                dead = [(p.name, p.exitcode) for p in self.procs if not p.is_alive()]
+                if dead:
+                    self._terminate()
+                    raise RuntimeError(f"sampler process(es) exited while starting: {dead}. Worker processes are "
+                                       "spawned: a script that starts training must guard its entry point with "
+                                       "`if __name__ == \"__main__\":`") from None
+
+    def _spawn(self, rank: int):
+        """Start worker process `rank`. Its thread pools are sized at `import torch`, before any code of ours runs
+        there: the thread variables are set in the environment it inherits (as Ray does for its workers)."""
+        proc = self.ctx.Process(target=_process_main, args=(self.cfg_dict, rank, self.inboxes[rank], self.outbox),
+                                daemon=True, name=f"covrl-sampler-{rank}")
         saved = {k: os.environ.get(k) for k in _THREAD_ENV}
-        os.environ.update({k: threads for k in _THREAD_ENV})
+        os.environ.update({k: self.threads for k in _THREAD_ENV})
         try:
-            for p in self.procs:
-                p.start()
+            proc.start()
         finally:
             for k, v in saved.items():
                 if v is None:
                     os.environ.pop(k, None)
                 else:
                     os.environ[k] = v
-        self._results: dict[Any, dict] = {}
-        self._calls = 0
-        ready = 0
-        while ready < n:
+        return proc
+
+    def _restart_worker(self, rank: int) -> None:
+        old = self.procs[rank]
+        if old.is_alive():
+            old.terminate()
+        old.join(timeout=30)
+        self.inboxes[rank] = self.ctx.Queue()   # requests queued for the dead process must not reach the new one
+        self._starting.add(rank)
+        self.procs[rank] = self._spawn(rank)
+        deadline = time.perf_counter() + 600
+        while rank in self._starting:
+            if not self.procs[rank].is_alive():
+                raise SamplerWorkerError(f"restarted sampler process {rank} exited with code "
+                                         f"{self.procs[rank].exitcode} while starting")
+            if time.perf_counter() > deadline:
+                raise SamplerWorkerError(f"restarted sampler process {rank} did not start within 600 s")
             try:
-                msg = self.outbox.get(timeout=1.0)
+                self._receive(timeout=1.0)
             except queue_lib.Empty:
-                self._check_alive()
                 continue
-            if msg[0] == "error":
-                self._terminate()
-                raise RuntimeError(f"sampler process {msg[1]} failed to start:\n{msg[2]}")
-            ready += 1
 
     def _check_alive(self) -> None:
-        dead = [(p.name, p.exitcode) for p in self.procs if not p.is_alive()]
-        if dead:
-            self._terminate()
-            raise RuntimeError(f"sampler process(es) exited: {dead}. Worker processes are spawned: a script that "
-                               "starts training must guard its entry point with `if __name__ == \"__main__\":`")
+        for rank, p in enumerate(self.procs):
+            if not p.is_alive():
+                self._worker_lost(rank, f"process {p.pid} exited with code {p.exitcode}")
 
     def _put_weights(self, weights: dict) -> Any:
         return weights
@@ -323,23 +392,38 @@ class ProcessPool(DispatchPool):
 
     def _receive(self, timeout: float) -> None:
         msg = self.outbox.get(timeout=timeout)
-        if msg[0] == "error":
+        kind = msg[0]
+        if kind == "ready":
+            self._starting.discard(msg[1])
+        elif kind == "start_error":
+            self._terminate()
+            raise RuntimeError(f"sampler process {msg[1]} failed to start:\n{msg[2]}")
+        elif kind == "error":
             raise RuntimeError(f"sampler process failed on call {msg[1]}:\n{msg[2]}")
-        _, call, result = msg
-        self._results[call] = _loads(result)
+        else:
+            _, call, result = msg
+            self._results[call] = _loads(result)
 
     def _poll(self, timeout: float) -> list[tuple[Any, dict]]:
         try:
             self._receive(timeout)
         except queue_lib.Empty:
-            self._check_alive()
+            pass
+        self._check_alive()
         done = [(c, self._results.pop(c)) for c in list(self._results) if c in self.inflight]
         return done
 
     def _collect(self, call: Any, timeout: float) -> dict:
         deadline = time.perf_counter() + timeout
+        rank = self.inflight[call][0]
         while call not in self._results:
-            self._receive(max(0.1, deadline - time.perf_counter()))
+            if time.perf_counter() > deadline:
+                raise TimeoutError(f"sampler process {rank} did not return call {call} within {timeout} s")
+            try:
+                self._receive(1.0)
+            except queue_lib.Empty:
+                if not self.procs[rank].is_alive():
+                    raise RuntimeError(f"sampler process {rank} died before returning call {call}") from None
         return self._results.pop(call)
 
     def _terminate(self) -> None:
