@@ -108,8 +108,11 @@ def _measure(mode: str, cfg, records_key: str = "metrics.jsonl") -> dict:
     rollouts = sum(int(r.get("batch_rows", 0)) for r in records)
     if mode != "sync":   # the loop's own clock: worker start-up (processes, actors) is excluded
         wall = summary["async"]["wall_s"]
+    # the trainer's own step time shows CPU contention: with no idle core, a sampler running beside the trainer
+    # slows every step down even though the trainer never waits for data
+    step_ms = 1e3 * sum(r.get("time/trainer_step", 0.0) for r in records) / max(1, len(records))
     out.update({"steps": len(records), "rollouts": rollouts, "loop_s": wall, "rollouts_per_s": rollouts / wall,
-                "load1": os.getloadavg()[0]})
+                "trainer_step_ms": step_ms, "load1": os.getloadavg()[0]})
     if mode == "sync":
         out["generate_s"] = sum(r.get("time/generate", 0.0) + r.get("time/score", 0.0) for r in records)
         out["train_s"] = sum(r.get("time/trainer_step", 0.0) for r in records)
@@ -154,8 +157,8 @@ def run(args: argparse.Namespace) -> int:
         gen, train = sync["generate_s"], sync["train_s"]
         results["ideal_overlap_ratio"] = (gen + train) / max(gen, train, 1e-9)
         results["sync_generate_fraction"] = gen / max(gen + train, 1e-9)
-    lines = ["| mode | rollouts/s | vs sync | staleness mean / max | sampler idle | trainer idle | loop s |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| mode | rollouts/s | vs sync | staleness mean / max | sampler idle | trainer idle | trainer step ms "
+             "| loop s |", "|---|---|---|---|---|---|---|---|"]
     for mode, r in results["modes"].items():
         ratio = r["rollouts_per_s"] / sync["rollouts_per_s"] if sync else float("nan")
         r["ratio_to_sync"] = ratio
@@ -163,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
         idle_s = "-" if mode == "sync" else f"{r['sampler_idle_frac']:.0%}"
         idle_t = "-" if mode == "sync" else f"{r['trainer_idle_frac']:.0%}"
         lines.append(f"| {mode} | {r['rollouts_per_s']:.1f} | {ratio:.2f}x | {st} | {idle_s} | {idle_t} | "
-                     f"{r['loop_s']:.1f} |")
+                     f"{r['trainer_step_ms']:.0f} | {r['loop_s']:.1f} |")
     note = ""
     if sync:
         note = (f"\n\nSync time split: generate+score {sync['generate_s']:.1f} s, train {sync['train_s']:.1f} s "
