@@ -5,16 +5,23 @@
   the intact previous checkpoint; the partial folder is removed; `covrl train` exits 4 without a traceback
   and `--resume` continues from the previous checkpoint;
 - leftovers of a kill (temporary folders, a re-save interrupted between its two renames, a torn last line in
-  metrics.jsonl) are cleaned up on resume."""
+  metrics.jsonl) are cleaned up on resume;
+- every exit of `covrl train` (codes 1, 2, 3, 4, 5, 130; mid-run and during the setup) leaves summary.json with
+  a final status, the reason and the exit code;
+- `--resume` skips a newest checkpoint that does not load (truncated weights or trainer state) for the newest
+  one that does, and the resumed run equals the uninterrupted one; when none loads it changes nothing;
+- `--resume` on a folder without a complete checkpoint starts from scratch in that folder (never over a
+  completed run); a plain rerun still takes `<name>-2`."""
 
 from __future__ import annotations
 
 import errno
 import json
+from pathlib import Path
 
 import pytest
 import torch
-from _reliability_tiny import TINY, metrics, tiny_overrides
+from _reliability_tiny import REWARDS, TINY, comparable, final_weights, metrics, tiny_overrides
 
 from covrl.models import tiny_llama
 from covrl.train import checkpoint as ckpt
@@ -129,9 +136,190 @@ def test_a_torn_last_metrics_line_does_not_block_resume(tmp_path, monkeypatch):
     assert [r["step"] for r in metrics(run_dir)] == [1, 2, 3]
 
 
-def test_resume_without_any_complete_checkpoint_is_a_clear_error(tmp_path, capsys):
-    run_dir = tmp_path / "empty"
-    (run_dir / "checkpoints" / f".tmp-{ckpt.checkpoint_name(16)}-1").mkdir(parents=True)
-    assert _run(tmp_path, "empty", resume=True) == 2
-    assert "holds no complete checkpoint" in capsys.readouterr().err
-    assert not list((run_dir / "checkpoints").iterdir())
+# ------------------------------------------------------------------- through the `covrl` entry point
+
+def _cli(tmp_path: Path, name: str, *extra: str, resume: bool = False) -> int:
+    from covrl.cli import main
+
+    torch.set_num_threads(1)
+    args = tiny_overrides(tmp_path, name, "logging.console=false", "sft_warmup.steps=0",
+                          "logging.diagnostics=false", *extra)
+    return main(["train", "--config", str(TINY), *args, *(["--resume"] if resume else [])])
+
+
+def _summary(run_dir: Path) -> dict:
+    return json.loads((run_dir / "summary.json").read_text())
+
+
+def _at_call(n: int, exc: BaseException, real=None):
+    """A stand-in that raises `exc` at its n-th call and otherwise calls `real`."""
+    calls = {"n": 0}
+
+    def fn(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] == n:
+            raise exc
+        return real(*args, **kwargs)
+
+    return fn
+
+
+def _nan_after_two_steps(monkeypatch):
+    import math
+
+    from covrl.train import trainer as trainer_module
+
+    real = trainer_module.forward_response
+    calls = {"n": 0}
+
+    def poisoned(*args, **kwargs):
+        out = real(*args, **kwargs)
+        calls["n"] += 1
+        if calls["n"] > 2 * 2:   # 2 micro-batches per step: steps 3, 4, ... get NaN log-probs
+            out.logprobs = out.logprobs * math.nan
+        return out
+
+    monkeypatch.setattr(trainer_module, "forward_response", poisoned)
+
+
+def _kill_sampler_thread(monkeypatch):
+    from covrl.rollout import sampler as sampler_module
+
+    monkeypatch.setattr(sampler_module.HFSampler, "generate",
+                        _at_call(3, RuntimeError("sampler died (injected)"), sampler_module.HFSampler.generate))
+
+
+# exit path -> (extra overrides, fault setup, exit code, status, text in the reason)
+EXITS = {
+    "reward-error": ([f"task.reward_fn={REWARDS}:crash", "task.reward_errors=raise"], None, 2, "failed",
+                     "RewardFunctionError"),
+    "prompt-too-long": (["task.max_prompt_tokens=3", "task.overlong=error"], None, 2, "failed",
+                        "PromptTooLongError"),
+    "disk-full": ([], "enospc", 4, "failed", "No space left on device"),
+    "diverged": (["loop.steps=6", "optim.max_bad_steps=2"], "nan", 3, "diverged", "step 4: TrainingDivergedError"),
+    "sampler-died": (["loop.mode=async", "async_loop.chunk_prompts=2"], "sampler", 5, "failed",
+                     "SamplerWorkerError"),
+    "interrupted": ([], "interrupt", 130, "interrupted", "KeyboardInterrupt"),
+    "unexpected": ([], "unexpected", 1, "failed", "RuntimeError: boom"),
+    "interrupted-in-setup": (["sft_warmup.steps=2"], "setup-interrupt", 130, "interrupted", "KeyboardInterrupt"),
+}
+
+
+@pytest.mark.parametrize("case", list(EXITS))
+def test_every_exit_of_covrl_train_leaves_a_final_summary(tmp_path, monkeypatch, capsys, case):
+    from covrl.train import loop as loop_module
+    from covrl.train import sft as sft_module
+
+    extra, fault, code, status, reason = EXITS[case]
+    if fault == "enospc":
+        monkeypatch.setenv(faults.ENV, "checkpoint-write:2:enospc")
+    faults.reset()
+    if fault == "nan":
+        _nan_after_two_steps(monkeypatch)
+    elif fault == "sampler":
+        _kill_sampler_thread(monkeypatch)
+    elif fault in ("interrupt", "unexpected"):
+        exc = KeyboardInterrupt() if fault == "interrupt" else RuntimeError("boom")
+        monkeypatch.setattr(loop_module, "score_rollouts", _at_call(2, exc, loop_module.score_rollouts))
+    elif fault == "setup-interrupt":   # Ctrl-C during the SFT warm-up: the run folder exists, no Run yet
+        monkeypatch.setattr(sft_module, "sft_warmup", _at_call(1, KeyboardInterrupt()))
+    try:
+        if code == 1:   # a bug keeps its traceback
+            with pytest.raises(RuntimeError, match="boom"):
+                _cli(tmp_path, "x", *extra)
+        else:
+            assert _cli(tmp_path, "x", *extra) == code
+    finally:
+        monkeypatch.undo()
+        faults.reset()
+    summary = _summary(tmp_path / "x")
+    assert summary["status"] == status and summary["exit_code"] == code, summary
+    assert reason in summary["reason"], summary["reason"]
+    if code != 1:
+        assert "Traceback" not in capsys.readouterr().err
+    if case == "diverged":
+        # the diverging step (4) is not in metrics.jsonl: it raises inside Trainer.step, before the loop logs
+        assert [r["step"] for r in metrics(tmp_path / "x")] == [1, 2, 3] and summary["steps"] == 3
+
+
+def test_resume_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, capsys):
+    """A finished 3-step run (checkpoints at 16, 32, 48 rollouts; the last two kept). Its newest checkpoint is
+    damaged: first the weights, then (after the resume re-wrote it) the trainer/optimizer state. Each time
+    --resume warns, moves the bad folder aside, resumes from ckpt-32, re-runs step 3, and the run folder ends
+    equal to the uninterrupted run."""
+    run_dir = tmp_path / "fb"
+    assert _cli(tmp_path, "fb", "loop.steps=3") == 0
+    want_metrics = [comparable(r) for r in metrics(run_dir)]
+    want_weights = {k: v.clone() for k, v in final_weights(run_dir).items()}   # not views of the file damaged below
+    newest, older = ckpt.checkpoint_name(48), ckpt.checkpoint_name(32)
+    assert [p.name for p in ckpt.list_checkpoints(run_dir)] == [older, newest]
+    damaged = {"weights": (Path(ckpt.MODEL_DIR) / "model.safetensors", "unreadable weights"),
+               "trainer state": (Path(ckpt.STATE_FILE), "is corrupt")}
+    for k, (what, (rel, why)) in enumerate(damaged.items(), start=1):
+        f = run_dir / "checkpoints" / newest / rel
+        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])   # truncated, as by a full disk
+        capsys.readouterr()
+        assert _cli(tmp_path, "fb", "loop.steps=3", resume=True) == 0, what
+        out, err = capsys.readouterr()
+        assert f"skipped {run_dir / 'checkpoints' / newest}" in err and why in err, err
+        assert f"resumed from {run_dir / 'checkpoints' / older}" in out, out
+        set_aside = run_dir / "checkpoints" / (f"corrupt-{newest}" + ("" if k == 1 else f"-{k}"))
+        assert (set_aside / rel).is_file(), sorted(p.name for p in (run_dir / "checkpoints").iterdir())
+        # steps after ckpt-32 were truncated and re-run once: the same records, the same weights
+        assert [comparable(r) for r in metrics(run_dir)] == want_metrics, what
+        got = final_weights(run_dir)
+        assert got.keys() == want_weights.keys() and all(torch.equal(got[n], want_weights[n]) for n in got), what
+        assert [p.name for p in ckpt.list_checkpoints(run_dir)] == [older, newest]
+        summary = _summary(run_dir)
+        assert summary["status"] == "completed" and summary["exit_code"] is None
+        assert [s["checkpoint"] for s in summary["resume_skipped"]] == [str(run_dir / "checkpoints" / newest)]
+
+
+def test_resume_when_no_checkpoint_loads_is_a_clear_error_and_changes_nothing(tmp_path, capsys):
+    run_dir = tmp_path / "bad"
+    assert _cli(tmp_path, "bad", "loop.steps=2") == 0
+    for c in ckpt.list_checkpoints(run_dir):
+        (c / ckpt.STATE_FILE).write_bytes(b"\x80\x04garbage")
+    before = {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()}
+    capsys.readouterr()
+    assert _cli(tmp_path, "bad", "loop.steps=3", resume=True) == 2
+    err = capsys.readouterr().err
+    assert "no checkpoint in" in err and "loads" in err and "Traceback" not in err
+    assert ckpt.checkpoint_name(16) in err and ckpt.checkpoint_name(32) in err
+    assert {p: p.read_bytes() for p in run_dir.rglob("*") if p.is_file()} == before   # nothing renamed or rewritten
+
+
+def test_resume_without_a_complete_checkpoint_starts_from_scratch_in_place(tmp_path, capsys):
+    from covrl.config import load_config
+    from covrl.train.run import choose_run_dir
+
+    assert _cli(tmp_path, "ref", "loop.steps=2") == 0
+    # what a kill before the first complete checkpoint leaves: config, a half-written checkpoint, the first
+    # step's metrics line, a summary saying "running"
+    run_dir = tmp_path / "early"
+    (run_dir / "checkpoints" / f".tmp-{ckpt.checkpoint_name(16)}-1" / "model").mkdir(parents=True)
+    (run_dir / "config.yaml").write_text((tmp_path / "ref" / "config.yaml").read_text())
+    (run_dir / "metrics.jsonl").write_text('{"step": 1, "reward/mean": 0.5}\n{"step": 2, "rew')
+    (run_dir / "summary.json").write_text('{"status": "running", "phase": "setup"}')
+    capsys.readouterr()
+    assert _cli(tmp_path, "early", "loop.steps=2", resume=True) == 0
+    out, err = capsys.readouterr()
+    assert "started from scratch" in out and "starting the run from scratch" in err
+    assert [comparable(r) for r in metrics(run_dir)] == [comparable(r) for r in metrics(tmp_path / "ref")]
+    got, want = final_weights(run_dir), final_weights(tmp_path / "ref")
+    assert all(torch.equal(got[n], want[n]) for n in want)
+    summary = _summary(run_dir)
+    assert summary["status"] == "completed" and summary["resume_started_fresh"] is True
+    assert not [p for p in (run_dir / "checkpoints").iterdir() if p.name.startswith(".")]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["early", "ref"]     # no early-2
+    # a plain rerun (no --resume) still never writes into a used folder
+    cfg = load_config(TINY, tiny_overrides(tmp_path, "early"))
+    assert choose_run_dir(cfg, config_path=TINY, resume=False) == tmp_path / "early-2"
+    # a completed run without checkpoints (checkpoints off) is never restarted over
+    import shutil
+
+    shutil.rmtree(run_dir / "checkpoints")
+    kept = (run_dir / "metrics.jsonl").read_text()
+    assert _cli(tmp_path, "early", "loop.steps=2", resume=True) == 2
+    assert "holds a completed run" in capsys.readouterr().err
+    assert (run_dir / "metrics.jsonl").read_text() == kept and _summary(run_dir)["status"] == "completed"

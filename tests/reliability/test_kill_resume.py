@@ -3,7 +3,8 @@ and every logged step equal an uninterrupted run on the same seed (CPU, one thre
 that no rollout is lost or trained twice; a half-written checkpoint is never loaded.
 
 Default suite: one run killed twice (while writing checkpoint 2, then in the middle of a gradient
-accumulation of the resumed run). Slow (`-m slow`): many random kill points, named or at random wall times;
+accumulation of the resumed run); one run killed before its first checkpoint was complete, which `--resume`
+starts from scratch in the same folder. Slow (`-m slow`): many random kill points, named or at random wall times;
 the tally is written to $COVRL_RELIABILITY_REPORT (JSON) when set (docs/reliability.md quotes it)."""
 
 from __future__ import annotations
@@ -11,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import random
-import shutil
 import signal
 import subprocess
 import sys
@@ -112,6 +112,28 @@ def test_killed_twice_then_resumed_equals_the_uninterrupted_run(tmp_path):
     assert metrics(tmp_path / "ref")[-1]["grad_norm"] > 0
 
 
+def test_killed_before_the_first_checkpoint_resume_starts_from_scratch_in_place(tmp_path, capsys):
+    from covrl.cli import main
+
+    # dies writing ckpt-16 (after step 1): weights on disk, no COMPLETE; nothing to resume from
+    rc, _, err = finish(start(tmp_path, "early", "loop.steps=2", fault="checkpoint-write:1"))
+    assert rc == -signal.SIGKILL, err
+    run_dir = tmp_path / "early"
+    assert ckpt.list_checkpoints(run_dir) == [] and [r["step"] for r in metrics(run_dir)] == [1]
+    assert json.loads((run_dir / "summary.json").read_text())["status"] == "running"   # what a kill leaves
+    # the same entry point in-process (the subprocess above was the part that needed a real kill)
+    torch.set_num_threads(1)
+    assert main(["train", "--config", str(TINY), *tiny_overrides(tmp_path, "ref", "loop.steps=2")]) == 0
+    capsys.readouterr()
+    assert main(["train", "--config", str(TINY), *tiny_overrides(tmp_path, "early", "loop.steps=2"), "--resume"]) == 0
+    out, err = capsys.readouterr()
+    assert f"run folder: {run_dir} (no complete checkpoint to resume: started from scratch)" in out, out
+    assert "starting the run from scratch" in err, err
+    assert not (tmp_path / "early-2").exists()
+    assert_equal_to_reference(run_dir, tmp_path / "ref", steps=2)
+    assert json.loads((run_dir / "summary.json").read_text())["resume_started_fresh"] is True
+
+
 # ----------------------------------------------------------------------------------------- slow loop
 
 def hit_counts(trace: Path) -> dict[str, int]:
@@ -162,13 +184,10 @@ def test_random_kill_points_never_lose_or_duplicate_work(tmp_path):
             logged_at_kill = len(metrics(run_dir))
             rc, out, err = finish(start(tmp_path, name, resume=True))
             row["resumes"] += 1
-            if rc == 2 and "holds no complete checkpoint" in err:
-                # killed before the first checkpoint was complete: nothing to resume from (a clear refusal);
-                # what a user does next: start the run again from scratch
+            if "started from scratch" in out:
+                # killed before the first checkpoint was complete: --resume started over in the same folder
                 row["restarted_fresh"] = True
                 row["steps_redone"] += logged_at_kill
-                shutil.rmtree(run_dir)
-                rc, out, err = finish(start(tmp_path, name))
                 continue
             resumed = [line.split("resumed from ")[-1].rstrip(")").split("/")[-1]
                        for line in out.splitlines() if "resumed from" in line]

@@ -2,7 +2,9 @@
 
 Layout: `<run>/checkpoints/ckpt-<rollouts:09d>/{model/, trainer_state.pt, COMPLETE}`. A checkpoint is written
 into a hidden temporary folder, the COMPLETE marker is written last, then the folder is renamed into place, so
-a kill at any moment leaves either no new checkpoint or a complete one (the previous one stays usable).
+a kill at any moment leaves either no new checkpoint or a complete one (the previous one stays usable). A
+complete checkpoint that does not load (damaged later: truncated weights or state) is skipped by resume for the
+newest one that does (`newest_loadable`) and renamed `corrupt-ckpt-...` (`set_aside`).
 `trainer_state.pt` holds only tensors, numbers, strings, lists and dicts and is read with
 `torch.load(..., weights_only=True)`."""
 
@@ -13,6 +15,7 @@ import os
 import random
 import shutil
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -83,19 +86,20 @@ def save_model(model, directory: Path, tokenizer=None) -> None:
         tokenizer.save_pretrained(str(directory))
 
 
-def load_model_weights(model, directory: Path) -> None:
-    """Load weights saved by `save_model` into an already built model of the same shape (exact round trip)."""
+def read_model_weights(model, directory: Path) -> dict[str, torch.Tensor]:
+    """Read the weights saved by `save_model` and check them against `model` (names and shapes) without
+    touching the model, so a resume can try an older checkpoint when this one is unreadable."""
     from safetensors.torch import load_file
 
     directory = Path(directory)
     if _unwrap_peft(model):
-        from peft import set_peft_model_state_dict
-
         path = directory / "adapter_model.safetensors"
         if not path.is_file():
             raise CheckpointError(f"{directory}: no adapter_model.safetensors (the run trains LoRA adapters)")
-        set_peft_model_state_dict(model, load_file(str(path)))
-        return
+        try:
+            return load_file(str(path))
+        except Exception as err:  # a truncated/corrupt file: SafetensorError names no file
+            raise CheckpointError(f"{path}: unreadable weights ({err})") from None
     files = sorted(directory.glob("*.safetensors"))
     if not files:
         raise CheckpointError(f"{directory}: no *.safetensors weights found")
@@ -105,14 +109,31 @@ def load_model_weights(model, directory: Path) -> None:
             state.update(load_file(str(f)))
         except Exception as err:  # a truncated/corrupt file: SafetensorError names no file
             raise CheckpointError(f"{f}: unreadable weights ({err})") from None
-    missing, unexpected = model.load_state_dict(state, strict=False)
+    own = model.state_dict()
     tied = set(getattr(model, "_tied_weights_keys", None) or [])
-    if isinstance(getattr(model, "_tied_weights_keys", None), dict):
-        tied = set(model._tied_weights_keys)
-    real_missing = [k for k in missing if k not in tied]
-    if unexpected or real_missing:
-        raise CheckpointError(f"{directory}: weights do not match the model (missing {real_missing[:5]}, "
-                              f"unexpected {list(unexpected)[:5]})")
+    missing = [k for k in own if k not in state and k not in tied]
+    unexpected = [k for k in state if k not in own]
+    reshaped = [f"{k} {tuple(state[k].shape)} != {tuple(own[k].shape)}" for k in state
+                if k in own and tuple(state[k].shape) != tuple(own[k].shape)]
+    if missing or unexpected or reshaped:
+        raise CheckpointError(f"{directory}: weights do not match the model (missing {missing[:5]}, "
+                              f"unexpected {unexpected[:5]}, wrong shape {reshaped[:5]})")
+    return state
+
+
+def apply_model_weights(model, weights: dict[str, torch.Tensor]) -> None:
+    """Copy weights returned by `read_model_weights` into the model (exact round trip)."""
+    if _unwrap_peft(model):
+        from peft import set_peft_model_state_dict
+
+        set_peft_model_state_dict(model, weights)
+        return
+    model.load_state_dict(weights, strict=False)  # names and shapes were checked when reading
+
+
+def load_model_weights(model, directory: Path) -> None:
+    """Load weights saved by `save_model` into an already built model of the same shape (exact round trip)."""
+    apply_model_weights(model, read_model_weights(model, directory))
 
 
 # --------------------------------------------------------------------------------------- checkpoints
@@ -137,6 +158,33 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
 def latest_checkpoint(run_dir: Path) -> Path | None:
     ckpts = list_checkpoints(run_dir)
     return ckpts[-1] if ckpts else None
+
+
+def newest_loadable(run_dir: Path, read: Callable[[Path], Any]) -> tuple[Path | None, Any, list[tuple[Path, str]]]:
+    """The newest complete checkpoint that `read(path)` loads (it raises CheckpointError when it cannot):
+    (path, what `read` returned, [(newer checkpoint skipped, why)]). (None, None, skipped) when none loads,
+    including when there is none."""
+    skipped: list[tuple[Path, str]] = []
+    for path in reversed(list_checkpoints(run_dir)):
+        try:
+            return path, read(path), skipped
+        except CheckpointError as err:
+            skipped.append((path, str(err)))
+    return None, None, skipped
+
+
+def set_aside(path: Path) -> Path:
+    """Rename an unloadable checkpoint to `checkpoints/corrupt-<name>[-k]`: no longer listed (so neither
+    resumed from nor counted by pruning, which would otherwise keep it instead of a good one), but kept for
+    inspection."""
+    path = Path(path)
+    target = path.with_name(f"corrupt-{path.name}")
+    k = 2
+    while target.exists():
+        target = path.with_name(f"corrupt-{path.name}-{k}")
+        k += 1
+    os.replace(path, target)
+    return target
 
 
 def save_checkpoint(run_dir: Path, name: str, *, model, state: dict[str, Any], tokenizer=None,
@@ -185,8 +233,7 @@ def load_state(path: Path) -> dict[str, Any]:
     except Exception as err:  # torch's own message suggests weights_only=False: never for a file we cannot trust
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path / STATE_FILE} is corrupt or holds more than tensors/numbers/strings "
-                              f"({first[:200]}); it is not unpickled. Resume from an older checkpoint by "
-                              f"moving this folder away") from None
+                              f"({first[:200]}); it is not unpickled") from None
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:

@@ -59,44 +59,85 @@ def run(args: argparse.Namespace) -> int:
 
 def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
     """Prepare the run, train, print where results went. Exit codes: 0 ok, 2 bad input, 3 diverged,
-    4 checkpoint write failed (e.g. disk full), 5 a sampler worker died, 130 interrupted."""
-    from covrl.models import ModelNotFoundError
-    from covrl.tasks import PromptTooLongError, RewardFunctionError
-    from covrl.train.checkpoint import CheckpointError
-    from covrl.train.trainer import TrainingDivergedError
-
+    4 checkpoint write failed (e.g. disk full), 5 a sampler worker died, 130 interrupted; an unexpected
+    exception keeps its traceback (exit 1). Every exit leaves summary.json with a final status, and for a
+    failure the reason and the exit code (a refused --resume leaves the folder as it was)."""
     if cfg.loop.mode == "ray":   # the trainer side may run in a Ray actor: the backend drives the whole run
         from covrl.train.ray_backend import train_from_config_ray
 
         return train_from_config_ray(cfg, config_path=config_path, resume=resume)
-    from covrl.train.async_loop import SamplerWorkerError, loop_functions
+    from covrl.train.async_loop import loop_functions
+    from covrl.train.run import choose_run_dir, mark_summary
 
     prepare_fn, train_fn = loop_functions(cfg.loop.mode)   # sync: prepare_run + train_sync
+    run_dir = choose_run_dir(cfg, config_path=config_path, resume=resume)
+    before = _read_text(run_dir / "summary.json")
     try:
-        run_state = prepare_fn(cfg, config_path=config_path, resume=resume)
-    except (ModelNotFoundError, FileNotFoundError, ValueError, CheckpointError) as err:
-        _print_err(str(err))
-        return 2
-    print(f"run folder: {run_state.run_dir}" + (f" (resumed from {run_state.resumed_from})"
-                                                 if run_state.resumed_from else ""))
+        run_state = prepare_fn(cfg, config_path=config_path, resume=resume, run_dir=run_dir)
+    except (Exception, KeyboardInterrupt) as err:
+        code, status, text = _outcome(err, run_dir.name, setup=True)
+        if _read_text(run_dir / "summary.json") != before:   # this attempt wrote into the folder before failing
+            mark_summary(run_dir, status, reason=_reason(err), exit_code=1 if code is None else code)
+        if code is None:
+            raise
+        if code == 130 and not (run_dir / "config.yaml").is_file():
+            text = "interrupted (before the run folder was written)"
+        _print_err(text)
+        return code
+    note = (f" (resumed from {run_state.resumed_from})" if run_state.resumed_from else
+            " (no complete checkpoint to resume: started from scratch)" if run_state.started_fresh else "")
+    print(f"run folder: {run_state.run_dir}{note}")
     try:
         summary = train_fn(run_state)
-    except TrainingDivergedError as err:
-        _print_err(str(err))
-        return 3
-    except (PromptTooLongError, RewardFunctionError, CheckpointError) as err:  # met mid-run: no traceback
-        _print_err(f"{err}\nstopped; fix the cause, then: covrl train --resume --name {run_state.run_dir.name}")
-        return 4 if isinstance(err, CheckpointError) else 2
-    except SamplerWorkerError as err:   # past the worker restart budget: stop cleanly, checkpoints stay usable
-        _print_err(f"{err}\nstopped; resume with: covrl train --resume --name {run_state.run_dir.name}")
-        return 5
-    except KeyboardInterrupt:
-        _print_err(f"interrupted; resume with: covrl train --resume --name {run_state.run_dir.name}")
-        return 130
+    except (Exception, KeyboardInterrupt) as err:   # other BaseExceptions (SystemExit) pass untouched
+        code, status, text = _outcome(err, run_state.run_dir.name, setup=False)
+        reason = _reason(err)
+        if status == "diverged":   # raised inside Trainer.step, before the loop counted or logged the step
+            reason = f"step {run_state.step + 1}: {reason}"
+        run_state.end(status, reason=reason, exit_code=1 if code is None else code)
+        if code is None:
+            raise
+        _print_err(text)
+        return code
     finally:
         run_state.close()
     _print_summary(summary)
     return 0
+
+
+def _read_text(path: Path) -> str | None:
+    try:
+        return path.read_text()
+    except OSError:
+        return None
+
+
+def _reason(err: BaseException) -> str:
+    text = str(err).strip()
+    return (f"{type(err).__name__}: {text}" if text else type(err).__name__)[:2000]
+
+
+def _outcome(err: BaseException, name: str, *, setup: bool) -> tuple[int | None, str, str]:
+    """(exit code, summary status, message) for an exception that ends `covrl train`. Code None: unexpected,
+    re-raised with its traceback."""
+    from covrl.models import ModelNotFoundError
+    from covrl.tasks import PromptTooLongError, RewardFunctionError
+    from covrl.train.async_loop import SamplerWorkerError
+    from covrl.train.checkpoint import CheckpointError
+    from covrl.train.trainer import TrainingDivergedError
+
+    again = f"covrl train --resume --name {name}"
+    if isinstance(err, KeyboardInterrupt):
+        return 130, "interrupted", f"interrupted; resume with: {again}"
+    if isinstance(err, TrainingDivergedError):
+        return 3, "diverged", str(err)
+    if isinstance(err, SamplerWorkerError):   # past the worker restart budget: checkpoints stay usable
+        return 5, "failed", f"{err}\nstopped; resume with: {again}"
+    if setup and isinstance(err, (ModelNotFoundError, FileNotFoundError, ValueError, CheckpointError)):
+        return 2, "failed", str(err)
+    if isinstance(err, (PromptTooLongError, RewardFunctionError, CheckpointError)):  # met mid-run: no traceback
+        return (4 if isinstance(err, CheckpointError) else 2), "failed", f"{err}\nstopped; fix the cause, then: {again}"
+    return None, "failed", _reason(err)
 
 
 def _print_summary(summary: dict) -> None:

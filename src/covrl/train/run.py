@@ -4,7 +4,11 @@ data clock, metric sinks and the end-of-run summary.
 
 Run folder `runs/<name>/`: config.yaml (resolved), metrics.jsonl (one line per step), eval.json,
 summary.json (status, timings, evals, versions, git commit), curves.png, checkpoints/ckpt-<rollouts:09d>/
-and checkpoints/initial/ (when run.save_initial or a KL reference is needed)."""
+and checkpoints/initial/ (when run.save_initial or a KL reference is needed).
+
+summary.json says "running" from the start of the setup until the run ends; every exit of `covrl train`
+replaces it with a final status ("completed", "diverged", "failed", "interrupted") and, for a failure, the
+reason and the exit code (`Run.end`, `mark_summary`). Only a process killed outright leaves "running"."""
 
 from __future__ import annotations
 
@@ -12,7 +16,9 @@ import json
 import os
 import platform
 import random
+import shutil
 import subprocess
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -119,6 +125,10 @@ class Run:
     metrics_lines: int = 0
     last_eval_rollouts: int = 0
     last_ckpt_rollouts: int = 0
+    reason: str | None = None          # why the run ended early (summary.json), with the exit code
+    exit_code: int | None = None
+    resume_skipped: list = field(default_factory=list)   # newer checkpoints --resume could not load
+    started_fresh: bool = False        # --resume found no complete checkpoint and started from scratch
 
     # ------------------------------------------------------------------------------------ sinks
     def log(self, record: dict[str, Any]) -> None:
@@ -205,10 +215,12 @@ class Run:
                 "step": e["step"], "rollouts": e["rollouts"], "settings": e["settings"]}
 
         return {
-            "status": self.status, "name": self.run_dir.name, "run_dir": str(self.run_dir),
+            "status": self.status, "reason": self.reason, "exit_code": self.exit_code,
+            "name": self.run_dir.name, "run_dir": str(self.run_dir),
             "steps": self.step, "rollouts": self.trainer.rollouts, "policy_version": self.trainer.version,
             "skipped_steps": sum(1 for r in records if r.get("skipped")),
-            "resumed_from": self.resumed_from,
+            "resumed_from": self.resumed_from, "resume_skipped": self.resume_skipped,
+            "resume_started_fresh": self.started_fresh,
             "wall_time_s": time.perf_counter() - self.started,
             "process_cpu_s": time.process_time() - self.started_cpu,
             "load_average": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
@@ -238,6 +250,15 @@ class Run:
                 self.message(f"curves.png not written: {err}")
         return self.write_summary()
 
+    def end(self, status: str, *, reason: str | None = None, exit_code: int | None = None) -> None:
+        """Final summary of a run that stops early (an error, an interrupt): status, reason, exit code. Never
+        raises: the caller is already handling the error that ended the run."""
+        self.status, self.reason, self.exit_code = status, reason, exit_code
+        try:
+            self.finish()
+        except Exception as err:  # e.g. the disk that failed the checkpoint is still full
+            print(f"summary.json not updated ({type(err).__name__}: {err})", file=sys.stderr)
+
     def close(self) -> None:
         for s in self.sinks:
             try:
@@ -245,6 +266,44 @@ class Run:
             except Exception:  # a sink that fails to close must not hide the run's result
                 pass
         self.sinks = []
+
+
+def mark_summary(run_dir: Path, status: str, *, reason: str | None = None, exit_code: int | None = None) -> None:
+    """Set the final status of the summary.json a run's setup wrote before it failed (no `Run` to finish).
+    Never raises."""
+    path = Path(run_dir) / "summary.json"
+    try:
+        try:
+            data = json.loads(path.read_text())
+        except (OSError, ValueError):
+            data = {"name": Path(run_dir).name, "run_dir": str(run_dir)}
+        data.update({"status": status, "reason": reason, "exit_code": exit_code})
+        _write_json(path, data)
+    except Exception as err:  # a full disk: the message on stderr still says what happened
+        print(f"summary.json not updated ({type(err).__name__}: {err})", file=sys.stderr)
+
+
+def _read_resume_point(path: Path, model) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
+    """Everything `prepare_run` needs from a checkpoint, read and checked before anything is changed (so an
+    unloadable one can be skipped for an older one)."""
+    state = ckpt.load_state(path)
+    missing = [k for k in ("trainer", "stream", "rng", "loop") if not isinstance(state, dict) or k not in state]
+    if missing or not all(k in state["loop"] for k in ("step", "metrics_lines")):
+        raise ckpt.CheckpointError(f"{path / ckpt.STATE_FILE}: not a run checkpoint (missing "
+                                   f"{missing or ['loop.step/metrics_lines']})")
+    return state, ckpt.read_model_weights(model, path / ckpt.MODEL_DIR)
+
+
+def _refuse_fresh_start_over(run_dir: Path) -> None:
+    """`--resume` without a checkpoint starts from scratch, which must never replace a finished run (e.g. one
+    run with checkpoints off)."""
+    try:
+        status = json.loads((run_dir / "summary.json").read_text()).get("status")
+    except (OSError, ValueError, AttributeError):
+        return
+    if status == "completed":
+        raise FileNotFoundError(f"--resume: {run_dir} holds a completed run and no complete checkpoint; nothing "
+                                "to resume (start a new run, or delete the folder to redo it)")
 
 
 def _build_sinks(cfg: TrainConfig, run_dir: Path, start_step: int, console: bool) -> list:
@@ -261,8 +320,11 @@ def _build_sinks(cfg: TrainConfig, run_dir: Path, start_step: int, console: bool
 def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resume: bool = False,
                 run_dir: Path | None = None, console: bool = True, build_sampler_fn=None) -> Run:
     """Build (or restore) everything a loop needs. Fresh run: seed, load the model, SFT warm-up (if any),
-    initial weights, sampler, trainer, stream. `resume=True`: the same, then the latest COMPLETE checkpoint's
-    weights, optimizer/schedule state, RNG states, data position and data clock are restored."""
+    initial weights, sampler, trainer, stream. `resume=True`: the same, then the newest COMPLETE checkpoint that
+    loads gives the weights, optimizer/schedule state, RNG states, data position and data clock; newer ones
+    that do not load are renamed `corrupt-ckpt-...` with a warning (none loads: CheckpointError, nothing
+    changed). A folder with no complete checkpoint (killed before the first one) starts from scratch in place,
+    unless it holds a completed run."""
     from covrl.config import dump_config
     from covrl.models import frozen_copy, load_model
     from covrl.rollout import build_sampler
@@ -276,9 +338,8 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
         if not run_dir.is_dir():
             raise FileNotFoundError(f"--resume: run folder {run_dir} does not exist")
         ckpt.clean_temporary(run_dir)
-        latest = ckpt.latest_checkpoint(run_dir)
-        if latest is None:
-            raise FileNotFoundError(f"--resume: {run_dir}/checkpoints holds no complete checkpoint")
+        if not ckpt.list_checkpoints(run_dir):
+            _refuse_fresh_start_over(run_dir)
     if cfg.run.num_threads:
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.run.seed)
@@ -293,12 +354,36 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     model.to(device)
     load_s = time.perf_counter() - t0
     generator = torch.Generator().manual_seed(cfg.run.seed)
+    state, weights, skipped = None, None, []
+    if resume and ckpt.list_checkpoints(run_dir):
+        latest, loaded, skipped = ckpt.newest_loadable(run_dir, lambda p: _read_resume_point(p, model))
+        if latest is None:
+            raise ckpt.CheckpointError(f"--resume: no checkpoint in {run_dir}/checkpoints loads (nothing was "
+                                       "changed):\n" + "\n".join(f"  {p.name}: {why}" for p, why in skipped))
+        state, weights = loaded
+        for p, why in skipped:   # out of the listing: never tried again, never kept by pruning over a good one
+            moved = ckpt.set_aside(p)
+            print(f"warning: --resume: skipped {p} ({why}); renamed it {moved.name}; resuming from the older "
+                  f"{latest.name}", file=sys.stderr)
+    elif resume:
+        print(f"warning: --resume: {run_dir}/checkpoints holds no complete checkpoint (killed before the first "
+              f"one?); starting the run from scratch in {run_dir}", file=sys.stderr)
     run_dir.mkdir(parents=True, exist_ok=True)
     (run_dir / "config.yaml").write_text(dump_config(cfg))
+    # from here on the folder is this attempt's: say so (a setup that fails from here gets a final status)
+    _write_json(run_dir / "summary.json", {"status": "running", "phase": "setup", "name": run_dir.name,
+                                           "run_dir": str(run_dir),
+                                           "resumed_from": None if latest is None else str(latest)})
 
     sft_metrics: dict[str, float] = {}
     initial_dir = run_dir / "checkpoints" / "initial"
     if latest is None:
+        for stale in ("metrics.jsonl", "eval.json"):
+            (run_dir / stale).unlink(missing_ok=True)
+        if resume:   # a fresh start in a used folder (nothing to resume): drop the killed attempt's other outputs
+            (run_dir / "curves.png").unlink(missing_ok=True)
+            for stale_dir in ("tensorboard", "checkpoints/initial"):
+                shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
         sinks_msg = print if console and cfg.logging.console else None
         sft_metrics = sft_warmup(model, tokenizer, task, cfg.sft_warmup, seed=cfg.run.seed,
                                  micro_batch_size=cfg.optim.micro_batch_size * 4, log=sinks_msg)
@@ -306,7 +391,8 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
             ckpt.save_checkpoint(run_dir, "initial", model=model, tokenizer=tokenizer, state={}, with_state=False)
         ref_model = frozen_copy(model) if cfg.kl.coef > 0 else None
     else:
-        ckpt.load_model_weights(model, latest / ckpt.MODEL_DIR)
+        ckpt.apply_model_weights(model, weights)
+        del weights
         ref_model = None
         if cfg.kl.coef > 0:
             if not (initial_dir / ckpt.MODEL_DIR).is_dir():
@@ -321,11 +407,12 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
               trainer=trainer, stream=stream, generator=generator, ref_model=ref_model, sft_metrics=sft_metrics)
     run.started, run.started_cpu = t_setup, cpu_setup   # wall time counts model load and warm-up too
     run.add_time("model_load", load_s)
+    run.resume_skipped = [{"checkpoint": str(p), "reason": why} for p, why in skipped]
+    run.started_fresh = resume and latest is None
     if sft_metrics:
         run.add_time("sft", sft_metrics.get("sft/seconds", 0.0))
 
     if latest is not None:
-        state = ckpt.load_state(latest)
         trainer.load_state_dict(state["trainer"])
         stream.load_state_dict(state["stream"])
         ckpt.restore_rng(state["rng"], generator)
@@ -341,8 +428,6 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
         run.evals = [e for e in prior if e.get("rollouts", 0) <= trainer.rollouts and e.get("label") != "after"]
         sampler.load_weights(model, int(loop.get("sampler_version", trainer.version)))
     else:
-        for stale in ("metrics.jsonl", "eval.json"):
-            (run_dir / stale).unlink(missing_ok=True)
         sampler.load_weights(model, trainer.version)
 
     run.sinks = _build_sinks(cfg, run_dir, run.step, console)
