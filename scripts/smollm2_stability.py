@@ -5,9 +5,7 @@ Part 1 (OTB vs GRPO): `configs/default.yaml` (SmolLM2-135M-Instruct, one-digit a
 seed, so the prompt stream, the sampler's generator and the step-1 batch are identical; the arms part once their
 weights differ. Per step: training reward, grad norm, the trainer's adv/* proxies and its noise/* monitor (signal,
 power, tr Sigma, |G|^2, B_simple in parameter units, from the two half-batch micro-batches of every step), and the
-process CPU seconds of generation and of `Trainer.step`. `--half-batch-noise` also measures tr Sigma independently
-with a scratch trainer on the same halves (covrl.repro.lr_surge.half_batch_norms; excluded from the step timings,
-but it more than doubles part 1's CPU time) as a cross-check of the monitor. Held-out greedy accuracy (50 problems
+process CPU seconds of generation and of `Trainer.step`. Held-out greedy accuracy (50 problems
 never trained on) before and after. OTB's cost over GRPO is also timed on one batch from the same weights,
 alternating the two estimators (as `covrl repro otb` does).
 
@@ -20,8 +18,7 @@ accuracy, one sample per prompt).
 Everything is driven step by step through covrl's own `prepare_run`, `sampler.generate`, `score_rollouts`,
 `Trainer.step` and `sampler.load_weights`; each run folder gets its metrics.jsonl under runs/smollm2-stability/.
 
-    .venv/bin/python scripts/smollm2_stability.py                # full: ~17 min on one core (~22 with
-                                                                 # --half-batch-noise, as in the doc)
+    .venv/bin/python scripts/smollm2_stability.py                # full: ~17 min on one core
     .venv/bin/python scripts/smollm2_stability.py --from-json docs/results/smollm2-stability.json  # re-summarise
     .venv/bin/python scripts/smollm2_stability.py --fast --out /tmp/x   # the slow test's cut-down variant
 """
@@ -29,7 +26,6 @@ Everything is driven step by step through covrl's own `prepare_run`, `sampler.ge
 from __future__ import annotations
 
 import argparse
-import copy
 import json
 import math
 import os
@@ -51,7 +47,7 @@ KEEP = ("reward/mean", "response/length_mean", "response/length_max", "grad_norm
         "noise/power", "noise/signal", "noise/noise", "noise/noise_ema", "noise/trace_sigma", "noise/grad_sq",
         "noise/b_simple", "noise/b_simple_ema", "lr_surge/scale", "lr_surge/ratio",
         "lr_surge/ema", "lr_surge/triggered", "lr_surge/decays", "policy_version", "time/trainer_step",
-        "gns/trace_sigma", "gns/grad_sq", "gns/b_simple", "cpu/generate", "cpu/trainer_step", "cpu/noise", "cpu/step",
+        "cpu/generate", "cpu/trainer_step", "cpu/step",
         "wall/step", "response_tokens", "rollouts")
 
 
@@ -60,7 +56,6 @@ class Settings:
     seeds: tuple[int, ...]
     steps: int                     # OTB vs GRPO steps per arm
     eval_prompts: int              # held-out prompts for before/after accuracy
-    half_batch_noise: bool         # measure tr Sigma from two half-batches (extra forward/backward per step)
     timing_repeats: int            # same-batch alternated Trainer.step timings (OTB vs GRPO)
     surge_steps: int
     surge_lr_mult: float           # x the default lr
@@ -73,10 +68,10 @@ class Settings:
     max_new_tokens: int | None = None    # part 1; None = the default config's
 
 
-FULL = Settings(seeds=(0,), steps=30, eval_prompts=50, half_batch_noise=False, timing_repeats=5, surge_steps=20,
+FULL = Settings(seeds=(0,), steps=30, eval_prompts=50, timing_repeats=5, surge_steps=20,
                 surge_lr_mult=10.0, surge_max_new_tokens=48, surge_warmup_steps=3, surge_cooldown_steps=3,
                 surge_logging_arm=True)
-FAST = Settings(seeds=(0,), steps=3, eval_prompts=6, half_batch_noise=True, timing_repeats=1, surge_steps=4,
+FAST = Settings(seeds=(0,), steps=3, eval_prompts=6, timing_repeats=1, surge_steps=4,
                 surge_lr_mult=10.0, surge_max_new_tokens=24, surge_warmup_steps=1, surge_cooldown_steps=1,
                 surge_logging_arm=True, force_surge_step=3, max_new_tokens=8)
 
@@ -95,15 +90,14 @@ def _cpu() -> float:
     return time.process_time()
 
 
-def drive(cfg, *, run_dir: Path, s: Settings, half_batch_noise: bool, eval_prompts: int,
+def drive(cfg, *, run_dir: Path, s: Settings, eval_prompts: int,
           sampled_eval: bool, timing_repeats: int = 0) -> dict[str, Any]:
     """One run step by step. Returns per-step records, held-out evals before/after, and (timing_repeats > 0) the
     same-batch OTB/GRPO Trainer.step timing at the end."""
-    from covrl.repro.lr_surge import eos_suppressing_sampler_builder, half_batch_norms, noise_from_norms
+    from covrl.repro.common import next_scored_batch
+    from covrl.repro.lr_surge import eos_suppressing_sampler_builder
     from covrl.train.evaluate import evaluate
-    from covrl.train.loop import score_rollouts
     from covrl.train.run import prepare_run
-    from covrl.train.trainer import Trainer
 
     t0, c0 = time.perf_counter(), _cpu()
     force = {"force": False}
@@ -123,40 +117,23 @@ def drive(cfg, *, run_dir: Path, s: Settings, half_batch_noise: bool, eval_promp
                           "examples": e["greedy"]["examples"][:3]}
 
         before = held_out()
-        scratch = None
-        if half_batch_noise:
-            scratch_cfg = cfg.model_copy(deep=True)
-            scratch_cfg.lr_surge.enabled = False
-            scratch_cfg.logging.diagnostics = False
-            scratch = Trainer(copy.deepcopy(run.model), scratch_cfg)
         records = []
         t_loop, c_loop = time.perf_counter(), _cpu()
         for step in range(1, cfg.loop.steps + 1):
             force["force"] = s.force_surge_step is not None and step >= s.force_surge_step
             w0, c = time.perf_counter(), _cpu()
-            examples, positions = run.stream.take(cfg.loop.prompts_per_step)
-            prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
-            batch = run.sampler.generate(prompts, cfg.loop.group_size, generator=run.generator,
-                                         policy_version=run.trainer.version)
-            score_rollouts(run.task, run.tokenizer, batch, examples, cfg.loop.group_size, positions)
-            batch = _clone_batch(batch)
+            batch, _ = next_scored_batch(run)
             c_gen = _cpu() - c
-            w_noise, c_noise, halves = time.perf_counter(), _cpu(), None
-            if scratch is not None:
-                halves = half_batch_norms(scratch, run.model, batch)
-            w_noise, c_noise = time.perf_counter() - w_noise, _cpu() - c_noise
             c = _cpu()
             metrics = run.trainer.step(batch)
             c_train = _cpu() - c
             c = _cpu()
             run.sampler.load_weights(run.model, run.trainer.version)
             c_sync = _cpu() - c
-            noise = {} if halves is None else noise_from_norms(halves, batch, float(metrics.get("grad_norm", 0.0)))
             rec = {"step": step, **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
-                   **noise, "forced": float(force["force"]), "response_tokens": float(batch.response_mask.sum()),
-                   "cpu/generate": c_gen, "cpu/trainer_step": c_train, "cpu/noise": c_noise,
-                   "cpu/step": c_gen + c_train + c_sync,
-                   "wall/step": time.perf_counter() - w0 - w_noise}
+                   "forced": float(force["force"]), "response_tokens": float(batch.response_mask.sum()),
+                   "cpu/generate": c_gen, "cpu/trainer_step": c_train, "cpu/step": c_gen + c_train + c_sync,
+                   "wall/step": time.perf_counter() - w0}
             records.append(rec)
             run.log(rec)
             print(f"  {run_dir.name} step {step}: reward {rec['reward/mean']:.3f} len "
@@ -171,11 +148,6 @@ def drive(cfg, *, run_dir: Path, s: Settings, half_batch_noise: bool, eval_promp
         run.close()
     return {"records": records, "before": before, "after": after, "setup": setup, "loop": loop,
             "timing": timing, "wall_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0}
-
-
-def _clone_batch(batch):
-    """Tensors made under inference mode (by the sampler) become normal tensors so autograd can use them."""
-    return replace(batch, **{k: v.clone() for k, v in batch.tensor_fields().items()})
 
 
 def step_cost(run, cfg, repeats: int) -> dict[str, float]:
@@ -193,7 +165,7 @@ def step_cost(run, cfg, repeats: int) -> dict[str, float]:
     gen = torch.Generator().manual_seed(cfg.run.seed + 101)
     batch = run.sampler.generate(prompts, n, generator=gen)
     score_rollouts(run.task, run.tokenizer, batch, examples, n, positions)
-    batch = _clone_batch(batch)
+    batch = replace(batch, **{k: v.clone() for k, v in batch.tensor_fields().items()})   # inference -> autograd
     state = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
     trainers = {}
     for name in ("otb", "grpo"):
@@ -231,7 +203,7 @@ def part1(s: Settings, run_root: Path) -> dict[str, Any]:
             cfg = build_cfg(name, overrides, run_root=run_root)
             print(f"part 1: {name}", flush=True)
             res = drive(cfg, run_dir=run_root / name, s=replace(s, force_surge_step=None),
-                        half_batch_noise=s.half_batch_noise, eval_prompts=s.eval_prompts, sampled_eval=False,
+                        eval_prompts=s.eval_prompts, sampled_eval=False,
                         timing_repeats=s.timing_repeats if arm == "otb" and seed == s.seeds[0] else 0)
             out[name] = res
     return out
@@ -278,14 +250,11 @@ def part1_summary(res: dict) -> dict[str, Any]:
         "grad_sq_nonpositive_steps": sum(1 for r in contrast if _num(r.get("noise/grad_sq")) <= 0),
         "b_simple_median": _median(r.get("noise/b_simple") for r in contrast),
         "b_simple_ema_final": _num(recs[-1].get("noise/b_simple_ema")),
-        # the independent scratch-trainer measurement on the same halves (--half-batch-noise), as a cross-check
-        "half_batch_trace_sigma_max_rel_diff": _max_rel_diff(recs, "noise/trace_sigma", "gns/trace_sigma"),
         "cpu_step_mean": _mean(r["cpu/step"] for r in recs),
         "cpu_generate_mean": _mean(r["cpu/generate"] for r in recs),
         "cpu_trainer_step_mean": _mean(r["cpu/trainer_step"] for r in recs),
         "cpu_trainer_step_per_token_ms": 1e3 * sum(r["cpu/trainer_step"] for r in recs)
         / max(1.0, sum(r["response_tokens"] for r in recs)),
-        "cpu_noise_mean": _mean(r.get("cpu/noise") for r in recs),
         "wall_step_mean": _mean(r["wall/step"] for r in recs),
         "response_tokens_total": sum(r["response_tokens"] for r in recs),
     }
@@ -309,7 +278,7 @@ def part2(s: Settings, run_root: Path, seed: int) -> dict[str, Any]:
             overrides.append(f"loop.prompts_per_step={s.prompts_per_step}")
         cfg = build_cfg(name, overrides, run_root=run_root)
         print(f"part 2: {name} (lr {lr:g})", flush=True)
-        res = drive(cfg, run_dir=run_root / name, s=s, half_batch_noise=False, eval_prompts=s.eval_prompts,
+        res = drive(cfg, run_dir=run_root / name, s=s, eval_prompts=s.eval_prompts,
                     sampled_eval=True)
         res["schedule"] = {"lr_surge": cfg.lr_surge.model_dump(), "base_lr": lr,
                            "rollouts_per_step": cfg.loop.rollouts_per_step, "group_size": cfg.loop.group_size}
@@ -405,13 +374,6 @@ def _mean(xs) -> float:
 
 def _num(x) -> float:
     return float(x) if isinstance(x, (int, float)) else float("nan")
-
-
-def _max_rel_diff(recs: list[dict], a: str, b: str) -> float:
-    """max over steps of |a − b| / |b| (nan when no step has both)."""
-    d = [abs(r[a] - r[b]) / abs(r[b]) for r in recs if math.isfinite(_num(r.get(a))) and
-         math.isfinite(_num(r.get(b))) and r[b] != 0]
-    return max(d) if d else float("nan")
 
 
 def _median(xs) -> float:
@@ -522,9 +484,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--skip-part1", action="store_true")
     p.add_argument("--skip-part2", action="store_true")
     p.add_argument("--no-log-only-arm", action="store_true", help="part 2 without the logging-only run")
-    p.add_argument("--half-batch-noise", action="store_true",
-                   help="also measure tr Σ with a scratch trainer on two half-batches (a cross-check of the "
-                        "trainer's own noise monitor; about doubles part 1's CPU time)")
     p.add_argument("--from-json", type=Path, default=None,
                    help="no training: recompute summaries and the figure from this script's JSON")
     args = p.parse_args(argv)
@@ -540,7 +499,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 res["schedule"] = {"lr_surge": cfg.lr_surge.model_dump(), "base_lr": cfg.optim.lr,
                                    "rollouts_per_step": cfg.loop.rollouts_per_step,
                                    "group_size": cfg.loop.group_size}
-        s = Settings(**{k: tuple(v) if k == "seeds" else v for k, v in result["settings"].items()})
+        s = Settings(**{k: tuple(v) if k == "seeds" else v for k, v in result["settings"].items()
+                        if k in Settings.__dataclass_fields__})   # older JSONs may hold removed settings
         return _write(summarise(result, s), args.out)
     import torch
 
@@ -550,8 +510,6 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         s = replace(s, seeds=tuple(args.seeds))
     if args.no_log_only_arm:
         s = replace(s, surge_logging_arm=False)
-    if args.half_batch_noise:
-        s = replace(s, half_batch_noise=True)
     from covrl.train.run import git_info
 
     git = git_info()  # at the start: the code the runs import

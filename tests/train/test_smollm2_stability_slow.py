@@ -78,7 +78,7 @@ def test_cut_down_run(tmp_path):
         for r in steps:
             assert r["skipped"] == 0.0 and r["policy_version"] == r["step"], (name, r)
             for key in ("reward/mean", "grad_norm", "entropy", "noise/power", "noise/signal", "adv/var_power",
-                        "cpu/trainer_step", "cpu/generate", "gns/grad_sq"):
+                        "cpu/trainer_step", "cpu/generate", "noise/grad_sq"):
                 assert _finite(r[key]), (name, key, r.get(key))
             assert r["cpu/trainer_step"] > 0 and r["grad_norm"] >= 0
         assert (tmp_path / "runs" / name / "metrics.jsonl").read_text().count("\n") == s.steps

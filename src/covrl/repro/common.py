@@ -1,5 +1,6 @@
 """What every reproduction writes: `result.json` (claim, measured numbers, pass/fail per criterion),
-a PNG figure, and a short `report.md`."""
+a PNG figure, and a short `report.md`; and the scored batch that reproductions driving a run step by step
+generate each step (`next_scored_batch`)."""
 
 from __future__ import annotations
 
@@ -81,3 +82,21 @@ def _short(x: Any) -> str:
     if isinstance(x, list):
         return "[" + ", ".join(_short(v) for v in x) + "]"
     return str(x)
+
+
+def next_scored_batch(run):
+    """The next step's batch of a prepared run (covrl.train.run.prepare_run), as the sync loop makes it: the next
+    prompts of the stream, `loop.group_size` completions each from the run's sampler and generator, scored.
+    Returns (batch, examples). The sampler's tensors are made under inference mode; they are cloned into normal
+    tensors so that the trainer's autograd can use them."""
+    from dataclasses import replace
+
+    from covrl.train.loop import score_rollouts
+
+    cfg = run.cfg
+    examples, positions = run.stream.take(cfg.loop.prompts_per_step)
+    prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
+    batch = run.sampler.generate(prompts, cfg.loop.group_size, generator=run.generator,
+                                 policy_version=run.trainer.version)
+    score_rollouts(run.task, run.tokenizer, batch, examples, cfg.loop.group_size, positions)
+    return replace(batch, **{k: v.clone() for k, v in batch.tensor_fields().items()}), examples

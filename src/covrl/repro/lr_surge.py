@@ -16,11 +16,9 @@ until the schedule first fires):
   constant_floor  a reference: the lr held at peak × the schedule's floor (0.125) from the start, to tell
             "decay when length surges" apart from "a smaller lr all along".
 Per step we log training reward, mean response length, the mismatch (token k3 = E_q[r − 1 − log r] between the
-bf16 sampler and the fp32 trainer, and the sequence-level KL_seq = Σ_t k3_t), and the gradient noise measured
-directly: before the update, a scratch copy of the Trainer (same weights, same config) computes the gradient of
-each half of the batch (whole groups) and covrl.diagnostics.noise.micro_batch_noise_scale turns the two
-half-batch norms and the full-batch norm into tr Σ (per-token gradient covariance) and |G|². The variance
-proxies of the GradientNoiseMonitor (RESEARCH §7) are logged too.
+bf16 sampler and the fp32 trainer, and the sequence-level KL_seq = Σ_t k3_t), and the gradient noise the trainer logs
+(covrl.diagnostics.noise: the batch's two halves of whole groups and the full batch give tr Σ, the per-token
+gradient covariance, and |G|², in parameter units).
 
 Collapse is defined before looking at results, against a start score that all arms of a seed share: the
 sampled accuracy (temperature 1, `SCORE_SAMPLES` samples per prompt) on the distinct RL prompts with the SFT'd
@@ -37,7 +35,6 @@ fire at that step in the surge arm and never in the constant arm.
 
 from __future__ import annotations
 
-import copy
 import math
 import tempfile
 import time
@@ -74,7 +71,6 @@ class Settings:
     max_new_tokens: int
     surge_warmup_steps: int
     surge_cooldown_steps: int
-    measure_noise: bool
     force_surge_step: int | None  # None: no forcing (the full variant); else the step (1-based) it starts
     eval_prompts: int
     collapse_head: int = COLLAPSE_HEAD
@@ -83,10 +79,10 @@ class Settings:
 
 
 FAST = Settings(seeds=1, steps=6, lr=3e-3, sft_steps=10, prompts_per_step=4, group_size=4, max_new_tokens=12,
-                surge_warmup_steps=4, surge_cooldown_steps=2, measure_noise=True, force_surge_step=4,
+                surge_warmup_steps=4, surge_cooldown_steps=2, force_surge_step=4,
                 eval_prompts=8, collapse_head=2, collapse_tail=2, arms=("constant", "surge"))
 FULL = Settings(seeds=5, steps=40, lr=3e-3, sft_steps=60, prompts_per_step=8, group_size=8, max_new_tokens=24,
-                surge_warmup_steps=5, surge_cooldown_steps=3, measure_noise=True, force_surge_step=None,
+                surge_warmup_steps=5, surge_cooldown_steps=3, force_surge_step=None,
                 eval_prompts=50)
 
 
@@ -142,61 +138,19 @@ def eos_suppressing_sampler_builder(state: dict):
     return build
 
 
-def half_batch_norms(scratch, model, batch) -> list[tuple[float, float]]:
-    """(‖g_i‖², b_i) of the two halves of `batch` (whole groups; first half of the group ids, then the rest) at the
-    weights of `model`, measured with `scratch`: a Trainer on its own copy of the model with the same config.
-    `scratch.step(half)` from the same weights gives the half's pre-clipping gradient norm (token-mean loss, so
-    g_i is the half's mean gradient over its b_i response tokens); the scratch weights are restored after each."""
-    import torch
-
-    groups = torch.unique(batch.group_ids)
-    if len(groups) < 2:
-        raise ValueError(f"half_batch_norms needs at least 2 groups in the batch, got {len(groups)}")
-    in_first = torch.isin(batch.group_ids, groups[: len(groups) // 2])
-    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
-    out = []
-    for rows in (in_first.nonzero().squeeze(1), (~in_first).nonzero().squeeze(1)):
-        part = batch.select(rows)
-        scratch.model.load_state_dict(state)
-        metrics = scratch.step(part)
-        out.append((float(metrics.get("grad_norm", 0.0)) ** 2, float(part.response_mask.sum())))
-    scratch.model.load_state_dict(state)
-    return out
-
-
-def noise_from_norms(halves: list[tuple[float, float]], batch, full_grad_norm: float) -> dict[str, float]:
-    """Two-batch-size gradient noise (covrl.diagnostics.noise.micro_batch_noise_scale): small batches = the two
-    halves (b_small = harmonic mean of their token counts, ‖G_small‖² = mean_i ‖g_i‖²), big batch = the whole
-    batch (b_big = its tokens, ‖G_big‖ = the trainer's pre-clipping grad norm of the step).
-    tr Σ = (‖G_small‖² − ‖G_big‖²)/(1/b_small − 1/b_big), |G|² = (b_big‖G_big‖² − b_small‖G_small‖²)/(b_big − b_small)."""
-    from covrl.diagnostics.noise import micro_batch_noise_scale
-
-    ns = micro_batch_noise_scale([h[0] for h in halves], [h[1] for h in halves], full_grad_norm ** 2)
-    return {"gns/trace_sigma": ns.trace_sigma, "gns/grad_sq": ns.grad_sq,
-            "gns/b_simple": ns.b_simple if math.isfinite(ns.b_simple) else float("nan")}
-
-
 _KEYS = ("reward/mean", "accuracy", "response/length_mean", "response/length_max", "mismatch/k3",
          "mismatch/max_abs_lr", "kl_seq", "grad_norm", "entropy", "lr", "lr_surge/scale", "lr_surge/ratio",
-         "lr_surge/ema", "lr_surge/triggered", "noise/signal", "noise/power", "noise/noise", "skipped",
-         "time/trainer_step")
-
-
-def _clone_batch(batch):
-    """Tensors made under inference mode (by the sampler) become normal tensors so autograd can use them."""
-    from dataclasses import replace
-
-    return replace(batch, **{k: v.clone() for k, v in batch.tensor_fields().items()})
+         "lr_surge/ema", "lr_surge/triggered", "noise/signal", "noise/power", "noise/noise", "noise/trace_sigma",
+         "noise/grad_sq", "noise/b_simple", "skipped", "time/trainer_step")
 
 
 def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_root: Path) -> dict[str, Any]:
     """One arm, driven step by step through covrl's public entry points (prepare_run, sampler.generate,
     score_rollouts, Trainer.step, sampler.load_weights). `init_state` (the SFT'd weights of this seed) is loaded
     instead of repeating the warm-up. Returns per-step records, evals and the SFT'd weights."""
+    from covrl.repro.common import next_scored_batch
     from covrl.train.evaluate import evaluate
-    from covrl.train.loop import score_rollouts
     from covrl.train.run import prepare_run
-    from covrl.train.trainer import Trainer
 
     cfg = surge_config(arm, seed=seed, s=s, sft_steps=0 if init_state is not None else None)
     force = {"force": False}
@@ -211,27 +165,14 @@ def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_r
         eval_before = evaluate(run.sampler, run.task, run.tokenizer, eval_examples, seed=seed + 17, sampled=False)
         rl_prompts = distinct_prompts(run.task.train, s.eval_prompts)
         score_before = sampled_accuracy(run, rl_prompts, SCORE_SAMPLES, seed=seed + 29)
-        scratch = None
-        if s.measure_noise:
-            scratch_cfg = cfg.model_copy(deep=True)
-            scratch_cfg.lr_surge.enabled = False
-            scratch_cfg.logging.diagnostics = False
-            scratch = Trainer(copy.deepcopy(run.model), scratch_cfg)
         records = []
         for step in range(1, s.steps + 1):
             force["force"] = s.force_surge_step is not None and step >= s.force_surge_step
-            examples, positions = run.stream.take(cfg.loop.prompts_per_step)
-            prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
-            batch = run.sampler.generate(prompts, cfg.loop.group_size, generator=run.generator,
-                                         policy_version=run.trainer.version)
-            score_rollouts(run.task, run.tokenizer, batch, examples, cfg.loop.group_size, positions)
-            batch = _clone_batch(batch)
-            halves = half_batch_norms(scratch, run.model, batch) if scratch is not None else None
+            batch, _ = next_scored_batch(run)
             metrics = run.trainer.step(batch)
-            noise = {} if halves is None else noise_from_norms(halves, batch, float(metrics.get("grad_norm", 0.0)))
             run.sampler.load_weights(run.model, run.trainer.version)
             rec = {"step": step, "forced": float(force["force"]),
-                   **{k: float(metrics[k]) for k in _KEYS if k in metrics}, **noise}
+                   **{k: float(metrics[k]) for k in _KEYS if k in metrics}}
             records.append(rec)
             run.log(rec)
         force["force"] = False
@@ -290,7 +231,7 @@ def analyse_run(records: list[dict], s: Settings, *, surge_ratio: float, score_b
     tail = _mean(rewards[-s.collapse_tail:])
     collapsed = score_after < COLLAPSE_FRACTION * score_before
     k3 = [r["mismatch/k3"] for r in records]
-    trace = [r.get("gns/trace_sigma", float("nan")) for r in records]
+    trace = [r.get("noise/trace_sigma", float("nan")) for r in records]
     k3_base = _mean(k3[: s.collapse_head])
     noise_base = _mean(trace[: s.collapse_head])
     steps = [r["step"] for r in records]
@@ -318,11 +259,9 @@ def analyse_run(records: list[dict], s: Settings, *, surge_ratio: float, score_b
         "kl_seq_mean_second_half": _mean(r.get("kl_seq") for r in records[half:]),
         "trace_sigma_head_mean": noise_base,
         "k3_smoothed_max": max(_trailing_mean(k3, SMOOTH)),
-        "trace_sigma_max": max((r.get("gns/trace_sigma", float("nan")) for r in records), default=float("nan")),
+        "trace_sigma_max": max((r.get("noise/trace_sigma", float("nan")) for r in records), default=float("nan")),
         "grad_norm_max": max(r.get("grad_norm", 0.0) for r in records),
-        "monitor_noise_nonzero_steps": sum(1 for r in records if r.get("noise/noise", 0.0) > 0),
-        "monitor_power_median": _median(r.get("noise/power") for r in records),
-        "monitor_signal_median": _median(r.get("noise/signal") for r in records),
+        "noise_median": _median(r.get("noise/noise") for r in records),
     }
 
 
@@ -374,7 +313,6 @@ def _summarise(result, runs: dict[str, list[dict]], s: Settings, surge_ratio: fl
             "k3_smoothed_max_mean": _mean(a["k3_smoothed_max"] for a in an),
             "onsets": {k: [a[f"onset_{k}"] for a in an] for k in ("surge", "mismatch_rise", "noise_rise", "reward_fall")},
             "decay_steps": [a["decay_steps"] for a in an],
-            "monitor_noise_nonzero_steps": sum(a["monitor_noise_nonzero_steps"] for a in an),
             "k3_mean_second_half": _mean(a["k3_mean_second_half"] for a in an),
             "kl_seq_mean_second_half": _mean(a["kl_seq_mean_second_half"] for a in an),
             "length_max_of_batch_means": [a["length_max_of_batch_means"] for a in an],
@@ -432,7 +370,7 @@ def _summarise(result, runs: dict[str, list[dict]], s: Settings, surge_ratio: fl
 
 def _figure(out_dir: Path, runs: dict[str, list[dict]], s: Settings) -> str:
     """Six panels over RL steps; thin lines = seeds, thick = mean over seeds. The noisy panels (k3, KL_seq, tr Σ)
-    show trailing SMOOTH-step means; tr Σ estimates ≤ 0 (two half-batches, or no reward contrast) count as 0."""
+    show trailing SMOOTH-step means; tr Σ estimates ≤ 0 (no reward contrast, or a noisy estimate) count as 0."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -442,7 +380,7 @@ def _figure(out_dir: Path, runs: dict[str, list[dict]], s: Settings) -> str:
               ("response/length_mean", "mean response length", False, False),
               ("mismatch/k3", f"mismatch token k3, bf16 sampler vs fp32 trainer ({SMOOTH}-step mean)", True, True),
               ("kl_seq", f"sequence KL_seq = Σ_t k3_t ({SMOOTH}-step mean)", True, True),
-              ("gns/trace_sigma", f"gradient noise tr Σ, two half-batches ({SMOOTH}-step mean)", True, True),
+              ("noise/trace_sigma", f"gradient noise tr Σ ({SMOOTH}-step mean)", True, True),
               ("lr", "learning rate", True, False)]
     fig, axes = plt.subplots(2, 3, figsize=(15, 8))
     colors = {"constant": "tab:red", "surge": "tab:blue", "constant_floor": "tab:gray"}

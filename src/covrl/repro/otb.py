@@ -24,8 +24,8 @@ previous `SPIKE_WINDOW` non-zero norms). GRPO divides advantages by the group st
 norms and proxies differ in scale between estimators; the coefficient of variation, the spike count and the
 noise-to-signal ratio B_simple = tr Σ / |G|² are the scale-free comparisons.
 Variance proxies (RESEARCH §7) from the trainer's metrics: adv/var_power = mean_b Â_b²·max(Ŵ_b, 0) and
-adv/var_proxy_mean = mean_b Ŵ_b, plus the gradient noise tr Σ measured from two half-batches (see
-covrl.repro.lr_surge.half_batch_norms).
+adv/var_proxy_mean = mean_b Ŵ_b (forward-only, logit units), plus the gradient noise tr Σ, |G|² and B_simple in
+parameter units (covrl.diagnostics.noise, from the step's micro-batches).
 
 Cost of OTB over GRPO per step: `Trainer.step` with each advantage on the same batch from the same weights,
 alternated `timing_repeats` times, median wall and CPU (thread) time.
@@ -33,7 +33,6 @@ alternated `timing_repeats` times, median wall and CPU (thread) time.
 
 from __future__ import annotations
 
-import copy
 import math
 import statistics
 import tempfile
@@ -69,15 +68,14 @@ class Settings:
     max_new_tokens: int
     eval_prompts: int
     eval_samples: int         # samples per distinct RL prompt for the accuracy curve
-    measure_noise: bool
     timing_repeats: int
     timing_rows: int          # rows of the batch used for the Trainer.step timing
 
 
 FAST = Settings(seeds=1, token_budget=400, checkpoints=2, prompts_per_step=4, lr=1e-3, sft_steps=10,
-                max_new_tokens=6, eval_prompts=8, eval_samples=2, measure_noise=True, timing_repeats=2, timing_rows=32)
+                max_new_tokens=6, eval_prompts=8, eval_samples=2, timing_repeats=2, timing_rows=32)
 FULL = Settings(seeds=3, token_budget=9_000, checkpoints=6, prompts_per_step=8, lr=3e-4, sft_steps=60,
-                max_new_tokens=8, eval_prompts=50, eval_samples=4, measure_noise=True, timing_repeats=15, timing_rows=256)
+                max_new_tokens=8, eval_prompts=50, eval_samples=4, timing_repeats=15, timing_rows=256)
 
 
 def otb_config(arm: str, *, seed: int, s: Settings, sft_steps: int | None = None, steps: int = 1):
@@ -107,23 +105,17 @@ def otb_config(arm: str, *, seed: int, s: Settings, sft_steps: int | None = None
 
 _KEYS = ("reward/mean", "accuracy", "response/length_mean", "response_tokens", "grad_norm", "entropy",
          "adv/var_power", "adv/var_proxy_mean", "adv/std", "adv/frac_zero_std_groups", "noise/power",
-         "noise/signal", "noise/noise", "mismatch/k3", "skipped", "time/trainer_step")
-
-
-def _clone_batch(batch):
-    from dataclasses import replace
-
-    return replace(batch, **{k: v.clone() for k, v in batch.tensor_fields().items()})
+         "noise/signal", "noise/noise", "noise/trace_sigma", "noise/grad_sq", "noise/b_simple", "mismatch/k3",
+         "skipped", "time/trainer_step")
 
 
 def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_root: Path) -> dict[str, Any]:
     """One arm until `s.token_budget` response tokens are generated; evaluations at evenly spaced token
     checkpoints. Returns per-step records, the eval curve and the starting (SFT'd) weights."""
-    from covrl.repro.lr_surge import distinct_prompts, half_batch_norms, noise_from_norms, sampled_accuracy
+    from covrl.repro.common import next_scored_batch
+    from covrl.repro.lr_surge import distinct_prompts, sampled_accuracy
     from covrl.train.evaluate import evaluate
-    from covrl.train.loop import score_rollouts
     from covrl.train.run import prepare_run
-    from covrl.train.trainer import Trainer
 
     cfg = otb_config(arm, seed=seed, s=s, sft_steps=0 if init_state is not None else None,
                      steps=s.token_budget)  # loop.steps only bounds the data clock; the budget stops the run
@@ -148,27 +140,16 @@ def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_r
 
         held_out_start = greedy_accuracy(examples_eval)
 
-        scratch = None
-        if s.measure_noise:
-            scratch_cfg = cfg.model_copy(deep=True)
-            scratch = Trainer(copy.deepcopy(run.model), scratch_cfg)
         marks = [s.token_budget * (i + 1) / s.checkpoints for i in range(s.checkpoints)]
         curve = [(0, rl_prompt_accuracy())]
         records, tokens, step = [], 0, 0
         while tokens < s.token_budget:
             step += 1
-            examples, positions = run.stream.take(cfg.loop.prompts_per_step)
-            prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
-            batch = run.sampler.generate(prompts, cfg.loop.group_size, generator=run.generator,
-                                         policy_version=run.trainer.version)
-            score_rollouts(run.task, run.tokenizer, batch, examples, cfg.loop.group_size, positions)
-            batch = _clone_batch(batch)
-            halves = half_batch_norms(scratch, run.model, batch) if scratch is not None else None
+            batch, _ = next_scored_batch(run)
             metrics = run.trainer.step(batch)
             run.sampler.load_weights(run.model, run.trainer.version)
-            noise = {} if halves is None else noise_from_norms(halves, batch, float(metrics.get("grad_norm", 0.0)))
             tokens += int(batch.response_mask.sum())
-            rec = {"step": step, "tokens": tokens, **{k: float(metrics[k]) for k in _KEYS if k in metrics}, **noise}
+            rec = {"step": step, "tokens": tokens, **{k: float(metrics[k]) for k in _KEYS if k in metrics}}
             records.append(rec)
             run.log(rec)
             while marks and tokens >= marks[0]:
@@ -209,8 +190,7 @@ def tokens_to_target(curve: list[tuple[int, float]], target: float) -> int | Non
 def step_cost(s: Settings, *, seed: int, init_state: dict, run_root: Path) -> dict[str, float]:
     """Median wall and CPU time of Trainer.step with OTB and with GRPO on the same batch (s.timing_rows rows,
     N = 4) from the same weights, alternating the two; the weights are restored before every step."""
-
-    from covrl.train.loop import score_rollouts
+    from covrl.repro.common import next_scored_batch
     from covrl.train.run import prepare_run
     from covrl.train.trainer import Trainer
 
@@ -221,11 +201,8 @@ def step_cost(s: Settings, *, seed: int, init_state: dict, run_root: Path) -> di
     try:
         run.model.load_state_dict(init_state)
         run.sampler.load_weights(run.model, 0)
-        examples, positions = run.stream.take(cfg.loop.prompts_per_step)
-        prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
-        batch = run.sampler.generate(prompts, n, generator=run.generator)
-        score_rollouts(run.task, run.tokenizer, batch, examples, n, positions)
-        batch = _clone_batch(batch)
+        assert cfg.loop.group_size == n
+        batch, _ = next_scored_batch(run)
     finally:
         run.close()
     state = {k: v.detach().clone() for k, v in init_state.items()}
@@ -306,12 +283,9 @@ def _summarise(result, runs: dict[str, list[dict]], s: Settings, cost: dict[str,
                 **stab,
                 "var_power_mean": _mean(rec.get("adv/var_power") for rec in recs),
                 "var_proxy_mean": _mean(rec.get("adv/var_proxy_mean") for rec in recs),
-                "trace_sigma_mean": _mean(rec.get("gns/trace_sigma") for rec in recs),
-                "trace_sigma_median": _median(rec.get("gns/trace_sigma") for rec in recs),
-                "b_simple_median": _median(rec.get("gns/b_simple") for rec in recs),
-                "monitor_noise_nonzero_steps": sum(1 for rec in recs if rec.get("noise/noise", 0.0) > 0),
-                "monitor_power_median": _median(rec.get("noise/power") for rec in recs),
-                "monitor_signal_median": _median(rec.get("noise/signal") for rec in recs),
+                "trace_sigma_mean": _mean(rec.get("noise/trace_sigma") for rec in recs),
+                "trace_sigma_median": _median(rec.get("noise/trace_sigma") for rec in recs),
+                "b_simple_median": _median(rec.get("noise/b_simple") for rec in recs),
                 "held_out_start": r["held_out"][0], "held_out_end": r["held_out"][1],
                 "reward_last5": _mean(rec["reward/mean"] for rec in recs[-5:]),
                 "trainer_step_s_mean": _mean(rec.get("time/trainer_step") for rec in recs),
@@ -410,8 +384,8 @@ def _figure(out_dir: Path, runs: dict[str, list[dict]], s: Settings, target: flo
                          alpha=0.6, lw=1, label=label)
             axes[2].plot([x["tokens"] for x in recs], [max(x.get("adv/var_power", 0.0), 1e-12) for x in recs],
                          color=colors[arm], alpha=0.6, lw=1, label=label)
-            ts = [(x["tokens"], x["gns/trace_sigma"]) for x in recs if "gns/trace_sigma" in x
-                  and math.isfinite(x["gns/trace_sigma"])]
+            ts = [(x["tokens"], x["noise/trace_sigma"]) for x in recs if "noise/trace_sigma" in x
+                  and math.isfinite(x["noise/trace_sigma"])]
             if ts:
                 axes[3].plot([t for t, _ in ts], [max(v, 1e-12) for _, v in ts], color=colors[arm], alpha=0.6,
                              lw=1, label=label)

@@ -480,21 +480,14 @@ _TRAIN_KEYS = ("reward/mean", "mismatch/k3", "kl_seq", "tangent", "remainder", "
                "correction/rejected_frac/seq_mean_k1", "correction/is_changed_frac", "skipped")
 
 
-def _clone_batch(batch):
-    """Tensors made under inference mode (by the sampler) become normal tensors so autograd can use them."""
-    from dataclasses import replace
-
-    return replace(batch, **{k: v.clone() for k, v in batch.tensor_fields().items()})
-
-
 def _train_arm(arm: str, *, seed: int, steps: int, bias, run_root: Path) -> dict:
     """`steps` RL steps of covrl's Trainer on the tiny task with the biased sampler; before each update the
     drift of every arm is measured on the step's batch (same weights as the sampler)."""
     import torch
 
+    from covrl.repro.common import next_scored_batch
     from covrl.rollout import SamplerConfig, build_sampler
     from covrl.train.evaluate import evaluate
-    from covrl.train.loop import score_rollouts
     from covrl.train.run import prepare_run
 
     cfg = tiny_arm_config(arm, seed=seed, steps=steps)
@@ -504,12 +497,7 @@ def _train_arm(arm: str, *, seed: int, steps: int, bias, run_root: Path) -> dict
     records = []
     try:
         for _ in range(steps):
-            examples, positions = run.stream.take(cfg.loop.prompts_per_step)
-            prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
-            batch = run.sampler.generate(prompts, cfg.loop.group_size, generator=run.generator,
-                                         policy_version=run.trainer.version)
-            score_rollouts(run.task, run.tokenizer, batch, examples, cfg.loop.group_size, positions)
-            batch = _clone_batch(batch)
+            batch, _ = next_scored_batch(run)
             drift = arm_drift(run.model, batch, bias, configs)
             metrics = run.trainer.step(batch)
             run.sampler.load_weights(run.model, run.trainer.version)
@@ -530,7 +518,7 @@ def _drift_section(result, cfg: Settings, seed: int) -> dict:
 
     import torch
 
-    from covrl.train.loop import score_rollouts
+    from covrl.repro.common import next_scored_batch
     from covrl.train.run import prepare_run
 
     bias = DRIFT_BIAS_SIGMA * torch.randn(100, generator=torch.Generator().manual_seed(4000 + seed))
@@ -543,11 +531,8 @@ def _drift_section(result, cfg: Settings, seed: int) -> dict:
             run = prepare_run(run_cfg, run_dir=Path(tmp) / "one-batch", console=False,
                               build_sampler_fn=biased_sampler_builder(bias))
             try:
-                examples, positions = run.stream.take(run_cfg.loop.prompts_per_step)
-                prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
-                batch = run.sampler.generate(prompts, run_cfg.loop.group_size, generator=run.generator)
-                score_rollouts(run.task, run.tokenizer, batch, examples, run_cfg.loop.group_size, positions)
-                drift = arm_drift(run.model, _clone_batch(batch), bias, configs)
+                batch, _ = next_scored_batch(run)
+                drift = arm_drift(run.model, batch, bias, configs)
             finally:
                 run.close()
             runs = {arm: [{"records": [{"drift": drift, "reward/mean": float(batch.rewards.mean())}]}]
