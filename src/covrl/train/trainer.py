@@ -603,15 +603,17 @@ class _MicroNorms:
 
     @torch.no_grad()
     def after_backward(self, response_mask: torch.Tensor) -> None:
-        total = torch.zeros((), dtype=torch.float64)
+        grads, prev = [], []
         for i, p in enumerate(self.params):
-            if p.grad is None:
-                continue
-            prev = None if self._before is None else self._before[i]
-            delta = p.grad if prev is None else p.grad - prev
-            total += delta.double().square().sum().cpu()
+            if p.grad is not None:
+                grads.append(p.grad)
+                prev.append(None if self._before is None else self._before[i])
+        if any(b is not None for b in prev):
+            grads = [g if b is None else g - b for g, b in zip(grads, prev)]
+        # fused per-tensor norms (fp32 accumulation is ample for a noise estimate), summed in float64
+        total = sum(float(n) ** 2 for n in torch._foreach_norm(grads)) if grads else 0.0
         self._before = None
-        self.norms_sq.append(float(total))
+        self.norms_sq.append(total)
         rows_with_tokens = (response_mask.sum(1) > 0).sum()
         self.sizes.append(float(response_mask.sum() if self.count_tokens else rows_with_tokens))
 
