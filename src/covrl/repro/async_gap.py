@@ -571,11 +571,14 @@ def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     result.check("floor + staleness: the gap grows with the queue Q", {str(q): g for q, g in zip(qs, gaps)},
                  "strictly increasing in Q", all(b > a for a, b in zip(gaps, gaps[1:])))
     floors = [floor["floor_by_queue"][q] for q in qs]
+    # the floor is a property of the weights each run reaches (it moves a few-fold between runs at this lr), so the
+    # claim "the growth is staleness" is checked against the gap itself: the floor must be a negligible share
+    floor_share = max(f / g for f, g in zip(floors[1:], gaps[1:]))
     result.check("floor + staleness: the growth is staleness, not floor (probed floor at every Q)",
-                 {"floor_by_queue": {str(q): f for q, f in zip(qs, floors)},
-                  "gap_growth": gaps[-1] / gaps[0], "floor_spread": max(floors) / min(floors)},
-                 "floor within 3x of its Q=0 value at every Q while the gap grows > 10x",
-                 max(floors) / min(floors) <= 3 and gaps[-1] / gaps[0] > 10)
+                 {"floor_by_queue": {str(q): f for q, f in zip(qs, floors)}, "gap_growth": gaps[-1] / gaps[0],
+                  "floor_spread": max(floors) / min(floors), "max_floor_share_of_gap_Q>0": floor_share},
+                 "floor ≤ 1% of the gap at every Q > 0 while the gap grows > 10x",
+                 floor_share <= 0.01 and gaps[-1] / gaps[0] > 10)
     fig = out_dir / "async_gap.png"
     _figure(fig, toy, tiny, floor, toy_s, tiny_s)
     result.numbers["floor"] = {k: ({str(q): x for q, x in v.items()} if isinstance(v, dict) else v)
