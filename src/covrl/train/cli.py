@@ -5,7 +5,10 @@ Stdlib-only imports at module top (the CLI lists commands without importing torc
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 
@@ -57,11 +60,38 @@ def run(args: argparse.Namespace) -> int:
     return train_from_config(cfg, config_path=config_path, resume=args.resume)
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM (a job scheduler, `kill`, a container stop): ends the run like Ctrl-C, so the run folder records
+    it; exit code 143 = 128 + SIGTERM, as a shell reports a process killed by it."""
+
+
+@contextmanager
+def _sigterm_as_interrupt():
+    if threading.current_thread() is not threading.main_thread():   # signal handlers live in the main thread
+        yield
+        return
+
+    def handler(signum, frame):
+        raise Terminated("SIGTERM")
+
+    previous = signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+
 def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
     """Prepare the run, train, print where results went. Exit codes: 0 ok, 2 bad input, 3 diverged,
-    4 checkpoint write failed (e.g. disk full), 5 a sampler worker died, 130 interrupted; an unexpected
-    exception keeps its traceback (exit 1). Every exit leaves summary.json with a final status, and for a
-    failure the reason and the exit code (a refused --resume leaves the folder as it was)."""
+    4 checkpoint write failed (e.g. disk full), 5 a sampler worker died, 130 interrupted (Ctrl-C), 143
+    terminated (SIGTERM); an unexpected exception keeps its traceback (exit 1). Every exit leaves summary.json
+    with a final status, and for a failure the reason and the exit code (a refused --resume leaves the folder as
+    it was)."""
+    with _sigterm_as_interrupt():
+        return _train_from_config(cfg, config_path=config_path, resume=resume)
+
+
+def _train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
     if cfg.loop.mode == "ray":   # the trainer side may run in a Ray actor: the backend drives the whole run
         from covrl.train.ray_backend import train_from_config_ray
 
@@ -80,7 +110,7 @@ def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
             mark_summary(run_dir, status, reason=_reason(err), exit_code=1 if code is None else code)
         if code is None:
             raise
-        if code == 130 and not (run_dir / "config.yaml").is_file():
+        if code in (130, 143) and not (run_dir / "config.yaml").is_file():
             text = "interrupted (before the run folder was written)"
         _print_err(text)
         return code
@@ -127,6 +157,8 @@ def _outcome(err: BaseException, name: str, *, setup: bool) -> tuple[int | None,
     from covrl.train.trainer import TrainingDivergedError
 
     again = f"covrl train --resume --name {name}"
+    if isinstance(err, Terminated):
+        return 143, "interrupted", f"terminated (SIGTERM); resume with: {again}"
     if isinstance(err, KeyboardInterrupt):
         return 130, "interrupted", f"interrupted; resume with: {again}"
     if isinstance(err, TrainingDivergedError):
