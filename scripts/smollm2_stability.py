@@ -21,6 +21,13 @@ Everything is driven step by step through covrl's own `prepare_run`, `sampler.ge
     .venv/bin/python scripts/smollm2_stability.py                # full: ~17 min on one core
     .venv/bin/python scripts/smollm2_stability.py --from-json docs/results/smollm2-stability.json  # re-summarise
     .venv/bin/python scripts/smollm2_stability.py --fast --out /tmp/x   # the slow test's cut-down variant
+    # more part-1 seeds, and a part-2 pair at another lr, each into a JSON of its own; then one merged summary
+    .venv/bin/python scripts/smollm2_stability.py --seeds 1 2 --skip-part2 --name smollm2-stability-seeds12
+    .venv/bin/python scripts/smollm2_stability.py --skip-part1 --surge-lr-mult 5 --surge-steps 40 \
+        --name smollm2-stability-surge-lr5x
+    .venv/bin/python scripts/smollm2_stability.py --from-json docs/results/smollm2-stability.json \
+        docs/results/smollm2-stability-seeds12.json docs/results/smollm2-stability-surge-lr5x.json \
+        --name smollm2-stability-merged
 """
 
 from __future__ import annotations
@@ -268,7 +275,7 @@ def part2(s: Settings, run_root: Path, seed: int) -> dict[str, Any]:
     arms = {"surge": True, **({"log_only": False} if s.surge_logging_arm else {})}
     out: dict[str, Any] = {}
     for arm, enabled in arms.items():
-        name = f"{arm}-seed{seed}"
+        name = part2_name(arm, seed, s.surge_lr_mult)
         overrides = [f"run.seed={seed}", f"optim.lr={lr!r}", "sampler.dtype=bfloat16",
                      f"sampler.max_new_tokens={s.surge_max_new_tokens}", f"loop.steps={s.surge_steps}",
                      f"lr_surge.enabled={str(enabled).lower()}", "lr_surge.trigger=length",
@@ -286,6 +293,14 @@ def part2(s: Settings, run_root: Path, seed: int) -> dict[str, Any]:
     return out
 
 
+def part2_name(arm: str, seed: int, lr_mult: float) -> str:
+    """Run name of a part-2 run: `{arm}-seed{seed}` at the first pass's lr (10x), else the lr multiple is in the
+    name, so a pair at another lr does not overwrite the first pair's run folders or JSON entries."""
+    if lr_mult == 10.0:
+        return f"{arm}-seed{seed}"
+    return f"{arm}-lr{lr_mult:g}x-seed{seed}"
+
+
 def part2_analysis(res: dict, s: Settings) -> dict[str, Any]:
     """Onsets, collapse and mismatch of one length-surge run (covrl.repro.lr_surge.analyse_run; score = held-out
     sampled accuracy, one sample per prompt; its reward-fall and rise baselines use the first `head` steps), plus
@@ -300,7 +315,7 @@ def part2_analysis(res: dict, s: Settings) -> dict[str, Any]:
     ss = SurgeSettings(seeds=1, steps=len(recs), lr=sch["base_lr"], sft_steps=0,
                        prompts_per_step=sch["rollouts_per_step"] // sch["group_size"], group_size=sch["group_size"],
                        max_new_tokens=s.surge_max_new_tokens, surge_warmup_steps=sched.warmup_steps,
-                       surge_cooldown_steps=sched.cooldown_steps, measure_noise=False,
+                       surge_cooldown_steps=sched.cooldown_steps,
                        force_surge_step=s.force_surge_step, eval_prompts=s.eval_prompts,
                        collapse_head=head, collapse_tail=head)
     out = analyse_run(recs, ss, surge_ratio=sched.ratio, score_before=res["before"]["sampled"]["accuracy"],
@@ -416,6 +431,9 @@ def figure(path: Path, p1: dict, p2: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(19, 8))
+    lr_first = next(iter(p2.values()))["schedule"]["base_lr"] if p2 else None
+    seeds = sorted({name.split("seed")[-1] for name in p1})
+    shade = {sd: 1.0 - 0.3 * i for i, sd in enumerate(seeds)}   # one shade per seed
     colors = {"otb": "tab:blue", "grpo": "tab:orange", "surge": "tab:blue", "log_only": "tab:red"}
 
     def series(res, key):
@@ -436,7 +454,7 @@ def figure(path: Path, p1: dict, p2: dict) -> None:
             s = res["summary"]
             label = (f"{name}: greedy {s['held_out_greedy_before']:.0%} → {s['held_out_greedy_after']:.0%}"
                      if key == "reward/mean" else name)
-            ax.plot(xs, ys, "-o", ms=2.5, color=colors[arm], label=label)
+            ax.plot(xs, ys, "-o", ms=2.5, color=colors[arm], alpha=shade[name.split("seed")[-1]], label=label)
         if log:
             ax.set_yscale("log")
         ax.set_title(title, fontsize=9)
@@ -448,9 +466,10 @@ def figure(path: Path, p1: dict, p2: dict) -> None:
               ("lr", "lr applied at the step", True)]
     for ax, (key, title, log) in zip(axes[1], bottom):
         for name, res in p2.items():
-            arm = name.rsplit("-", 1)[0]
+            arm = name.split("-")[0]
             xs, ys = series(res, key)
-            ax.plot(xs, ys, "-o", ms=2.5, color=colors.get(arm, "k"), label=name)
+            style = "-o" if res["schedule"]["base_lr"] == lr_first else "--s"   # one style per lr
+            ax.plot(xs, ys, style, ms=2.5, color=colors.get(arm, "k"), label=f"{name} (lr {res['schedule']['base_lr']:g})")
             for d in res["analysis"]["decay_steps"]:
                 ax.axvline(d, color=colors.get(arm, "k"), alpha=0.3, ls="--", lw=1)
         if log:
@@ -458,8 +477,8 @@ def figure(path: Path, p1: dict, p2: dict) -> None:
         ax.set_title(title, fontsize=9)
         ax.set_xlabel("step (dashed: decays)")
         ax.legend(fontsize=7)
-    fig.suptitle("SmolLM2-135M-Instruct, one-digit addition. Top: OTB vs GRPO (default config). Bottom: "
-                 "length-surge run (bf16 sampler, aggressive lr, 48 new tokens)", fontsize=10)
+    fig.suptitle("SmolLM2-135M-Instruct, one-digit addition. Top: OTB vs GRPO (default config; lighter = later "
+                 "seed). Bottom: length-surge runs (bf16 sampler, aggressive lr, 48 new tokens)", fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=95)
@@ -467,12 +486,46 @@ def figure(path: Path, p1: dict, p2: dict) -> None:
 
 
 def summarise(result: dict, s: Settings) -> dict:
-    """Add part 1 summaries and part 2 analyses (from the stored per-step records) to `result`."""
+    """Add part 1 summaries and part 2 analyses (from the stored per-step records) to `result`, and the
+    across-seed view of part 1."""
     for res in result["part1"].values():
         res["summary"] = part1_summary(res)
     for res in result["part2"].values():
         res["analysis"] = part2_analysis(res, s)
+    result["part1_across_seeds"] = across_seeds(result["part1"])
     return result
+
+
+ACROSS = ("held_out_greedy_before", "held_out_greedy_after", "reward_last10", "reward_mean", "entropy_last5",
+          "contrast_steps", "cpu_trainer_step_mean", "cpu_step_mean")
+
+
+def across_seeds(p1: dict) -> dict[str, Any]:
+    """Part 1 over the seeds that have both arms: per key the per-seed values of each arm, their means, and the
+    per-seed OTB - GRPO differences with their mean and sample std (0 with one seed); the grad-norm cv and spikes
+    over the steps with reward contrast; and the same-batch OTB/GRPO cost ratios of the runs that timed them."""
+    seeds = sorted(int(k.split("seed")[-1]) for k in p1 if k.startswith("otb-") and f"grpo-{k[4:]}" in p1)
+    if not seeds:
+        return {}
+    def val(arm, seed, key):
+        s = p1[f"{arm}-seed{seed}"]["summary"]
+        if key in ("cv", "spikes"):
+            return s["with_contrast"]["grad_norm_cv" if key == "cv" else key]
+        return s[key]
+
+    out: dict[str, Any] = {"seeds": seeds}
+    for key in (*ACROSS, "cv", "spikes"):
+        per = {arm: [val(arm, sd, key) for sd in seeds] for arm in ("otb", "grpo")}
+        diff = [a - b for a, b in zip(per["otb"], per["grpo"])]
+        name = f"contrast_{key}" if key in ("cv", "spikes") else key
+        out[name] = {"otb": per["otb"], "grpo": per["grpo"], "otb_mean": _mean(per["otb"]),
+                     "grpo_mean": _mean(per["grpo"]), "diff": diff, "diff_mean": _mean(diff),
+                     "diff_std": statistics.stdev(diff) if len(diff) > 1 else 0.0}
+    timed = {k: v["timing"] for k, v in p1.items() if v.get("timing")}
+    out["same_batch_cost"] = {k: {"cpu_ratio": v["cpu_ratio_otb_over_grpo"], "wall_ratio": v["wall_ratio_otb_over_grpo"],
+                                  "cpu_otb": v["cpu_otb"], "cpu_grpo": v["cpu_grpo"], "tokens": v["tokens"]}
+                              for k, v in timed.items()}
+    return out
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
@@ -484,24 +537,32 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--skip-part1", action="store_true")
     p.add_argument("--skip-part2", action="store_true")
     p.add_argument("--no-log-only-arm", action="store_true", help="part 2 without the logging-only run")
-    p.add_argument("--from-json", type=Path, default=None,
-                   help="no training: recompute summaries and the figure from this script's JSON")
+    p.add_argument("--surge-lr-mult", type=float, default=None, help="part 2 lr as a multiple of the default (10)")
+    p.add_argument("--surge-steps", type=int, default=None, help="part 2 steps per run (20)")
+    p.add_argument("--surge-seed", type=int, default=None, help="part 2 seed (default: the first of --seeds)")
+    p.add_argument("--name", default="smollm2-stability", help="file stem of the JSON and the figure under --out")
+    p.add_argument("--from-json", type=Path, nargs="+", default=None,
+                   help="no training: recompute summaries and the figure from this script's JSON(s); several "
+                        "JSONs (each summarised with its own settings) are merged into one, run names must differ")
     args = p.parse_args(argv)
     if args.from_json is not None:
-        result = _floats(json.loads(args.from_json.read_text()))
-        for name, res in [*result["part1"].items(), *result["part2"].items()]:
-            res["per_step"] = _with_run_folder(res["per_step"], args.runs / name / "metrics.jsonl")
-        for name, res in result["part2"].items():
-            if "schedule" not in res:  # JSON of an earlier version of this script: the run folder has the config
-                from covrl.config import load_config
-
-                cfg = load_config(args.runs / name / "config.yaml")
-                res["schedule"] = {"lr_surge": cfg.lr_surge.model_dump(), "base_lr": cfg.optim.lr,
-                                   "rollouts_per_step": cfg.loop.rollouts_per_step,
-                                   "group_size": cfg.loop.group_size}
-        s = Settings(**{k: tuple(v) if k == "seeds" else v for k, v in result["settings"].items()
-                        if k in Settings.__dataclass_fields__})   # older JSONs may hold removed settings
-        return _write(summarise(result, s), args.out)
+        merged: dict[str, Any] = {}
+        for path in args.from_json:
+            result = _resummarise(_floats(json.loads(path.read_text())), args.runs)
+            if not merged:
+                merged = result | {"sources": {}}
+            else:
+                for part in ("part1", "part2"):
+                    clash = set(merged[part]) & set(result[part])
+                    if clash:
+                        raise SystemExit(f"{path}: run names {sorted(clash)} are already in {args.from_json[0]}")
+                    merged[part] = {**merged[part], **result[part]}
+                merged["part1_across_seeds"] = across_seeds(merged["part1"])
+            merged["sources"][str(path)] = {k: result.get(k) for k in ("settings", "seconds", "git", "git_at_start",
+                                                                       "load_average_end")}
+        if len(args.from_json) == 1:
+            merged.pop("sources")
+        return _write(merged, args.out, args.name)
     import torch
 
     torch.set_num_threads(1)
@@ -510,6 +571,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         s = replace(s, seeds=tuple(args.seeds))
     if args.no_log_only_arm:
         s = replace(s, surge_logging_arm=False)
+    if args.surge_lr_mult is not None:
+        s = replace(s, surge_lr_mult=args.surge_lr_mult)
+    if args.surge_steps is not None:
+        s = replace(s, surge_steps=args.surge_steps)
     from covrl.train.run import git_info
 
     git = git_info()  # at the start: the code the runs import
@@ -517,7 +582,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     args.runs.mkdir(parents=True, exist_ok=True)
     p1 = {} if args.skip_part1 else part1(s, args.runs)
     t1, c1 = time.perf_counter(), _cpu()
-    p2 = {} if args.skip_part2 else part2(s, args.runs, s.seeds[0])
+    p2 = {} if args.skip_part2 else part2(s, args.runs, s.seeds[0] if args.surge_seed is None else args.surge_seed)
 
     result = {
         "settings": asdict(s), "fast": args.fast,
@@ -529,7 +594,24 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "load_average_end": list(os.getloadavg()),
         "git_at_start": git,
     }
-    return _write(summarise(result, s), args.out)
+    return _write(summarise(result, s), args.out, args.name)
+
+
+def _resummarise(result: dict, runs: Path) -> dict:
+    """One of this script's JSONs with its summaries and analyses recomputed from the stored per-step records."""
+    for name, res in [*result["part1"].items(), *result["part2"].items()]:
+        res["per_step"] = _with_run_folder(res["per_step"], runs / name / "metrics.jsonl")
+    for name, res in result["part2"].items():
+        if "schedule" not in res:  # JSON of an earlier version of this script: the run folder has the config
+            from covrl.config import load_config
+
+            cfg = load_config(runs / name / "config.yaml")
+            res["schedule"] = {"lr_surge": cfg.lr_surge.model_dump(), "base_lr": cfg.optim.lr,
+                               "rollouts_per_step": cfg.loop.rollouts_per_step,
+                               "group_size": cfg.loop.group_size}
+    s = Settings(**{k: tuple(v) if k == "seeds" else v for k, v in result["settings"].items()
+                    if k in Settings.__dataclass_fields__})   # older JSONs may hold removed settings
+    return summarise(result, s)
 
 
 def _with_run_folder(per_step: list[dict], path: Path) -> list[dict]:
@@ -543,12 +625,12 @@ def _with_run_folder(per_step: list[dict], path: Path) -> list[dict]:
     return [{**{k: full[k] for k in KEEP if k in full}, **r} for r, full in zip(per_step, lines)]
 
 
-def _write(result: dict, out: Path) -> dict:
+def _write(result: dict, out: Path, name: str = "smollm2-stability") -> dict:
     out.mkdir(parents=True, exist_ok=True)
-    (out / "smollm2-stability.json").write_text(json.dumps(_jsonable(result), indent=1))
-    if result["part1"] and result["part2"]:
-        figure(out / "smollm2-stability.png", result["part1"], result["part2"])
-    print(json.dumps(_jsonable({"seconds": result["seconds"],
+    (out / f"{name}.json").write_text(json.dumps(_jsonable(result), indent=1))
+    if result["part1"] or result["part2"]:
+        figure(out / f"{name}.png", result["part1"], result["part2"])
+    print(json.dumps(_jsonable({"seconds": result["seconds"], "part1_across_seeds": result["part1_across_seeds"],
                                 "part1": {k: v["summary"] | {"timing": v.get("timing")}
                                           for k, v in result["part1"].items()},
                                 "part2": {k: v["analysis"] for k, v in result["part2"].items()}}), indent=1))

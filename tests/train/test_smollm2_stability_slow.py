@@ -55,6 +55,49 @@ def test_schedule_consistent_hand_case():
     assert m.schedule_consistent(logged, off, 1.0, 4)["ok"]
 
 
+def _summary(after, last10, cv, spikes, cpu):
+    return {"held_out_greedy_before": 0.3, "held_out_greedy_after": after, "reward_last10": last10,
+            "reward_mean": last10 / 2, "entropy_last5": 0.2, "contrast_steps": 20, "cpu_trainer_step_mean": cpu,
+            "cpu_step_mean": cpu + 1, "with_contrast": {"grad_norm_cv": cv, "spikes": spikes}}
+
+
+def test_across_seeds_hand_case():
+    m = _script()
+    p1 = {"otb-seed0": {"summary": _summary(0.9, 0.94, 0.6, 1.0, 3.7),
+                        "timing": {"cpu_ratio_otb_over_grpo": 0.98, "wall_ratio_otb_over_grpo": 0.97,
+                                   "cpu_otb": 3.4, "cpu_grpo": 3.5, "tokens": 148.0}},
+          "grpo-seed0": {"summary": _summary(0.92, 0.84, 0.3, 0.0, 3.8)},
+          "otb-seed1": {"summary": _summary(0.8, 0.9, 0.5, 0.0, 3.5)},
+          "grpo-seed1": {"summary": _summary(0.86, 0.7, 0.4, 2.0, 3.6)},
+          "otb-seed2": {"summary": _summary(0.5, 0.5, 0.5, 0.0, 3.5)}}   # no GRPO arm: left out
+    out = m.across_seeds(p1)
+    assert out["seeds"] == [0, 1]
+    after = out["held_out_greedy_after"]
+    assert after["otb"] == [0.9, 0.8] and after["grpo"] == [0.92, 0.86]
+    assert math.isclose(after["otb_mean"], 0.85) and math.isclose(after["grpo_mean"], 0.89)
+    # differences -0.02 and -0.06: mean -0.04, sample std sqrt(2 * 0.02^2 / 1) = 0.0283
+    assert math.isclose(after["diff_mean"], -0.04) and math.isclose(after["diff_std"], 0.02 * math.sqrt(2))
+    assert out["contrast_cv"]["diff"] == pytest.approx([0.3, 0.1])
+    assert out["contrast_spikes"]["otb_mean"] == 0.5 and out["contrast_spikes"]["grpo_mean"] == 1.0
+    assert out["same_batch_cost"] == {"otb-seed0": {"cpu_ratio": 0.98, "wall_ratio": 0.97, "cpu_otb": 3.4,
+                                                    "cpu_grpo": 3.5, "tokens": 148.0}}
+    assert m.across_seeds({"otb-seed3": p1["otb-seed0"]}) == {}
+
+
+def test_part2_names_keep_the_first_pass_and_separate_other_lrs():
+    m = _script()
+    assert m.part2_name("surge", 0, 10.0) == "surge-seed0"
+    assert m.part2_name("log_only", 0, 5.0) == "log_only-lr5x-seed0"
+    assert m.part2_name("surge", 1, 2.5) == "surge-lr2.5x-seed1"
+
+
+def test_from_json_refuses_a_merge_with_clashing_run_names(tmp_path):
+    m = _script()
+    stored = ROOT / "docs" / "results" / "smollm2-stability.json"
+    with pytest.raises(SystemExit, match="already in"):
+        m.main(["--from-json", str(stored), str(stored), "--out", str(tmp_path), "--runs", str(tmp_path)])
+
+
 def _finite(x) -> bool:
     return isinstance(x, (int, float)) and math.isfinite(x)
 
