@@ -211,3 +211,17 @@ def test_ray_sampler_actor_killed_mid_run_then_resume(tmp_path, monkeypatch):
     finally:
         ray.shutdown()
         shutil.rmtree(temp, ignore_errors=True)
+
+
+@pytest.mark.parametrize("backend", ["thread", "process"])
+def test_a_reward_error_met_by_an_async_sampler_is_a_bad_input_exit(tmp_path, backend):
+    """The reward runs in the sampler worker: its error must end `covrl train` as in the sync loop (exit 2,
+    'failed', the function named), not as a dead worker (exit 5)."""
+    from _reliability_tiny import REWARDS
+
+    name = f"bad-reward-{backend}"
+    rc = run(tmp_path, name, f"async_loop.local_backend={backend}", f"task.reward_fn={REWARDS}:crash",
+             "task.reward_errors=raise")
+    assert rc == 2
+    summary = json.loads((tmp_path / name / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["exit_code"] == 2 and "crash" in summary["reason"], summary

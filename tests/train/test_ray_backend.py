@@ -79,3 +79,31 @@ def test_ray_backend_smoke(tmp_path, local_ray):
     assert len(records) == 3 and max(r["async/staleness_max"] for r in records) <= 1
     assert summary1["async"]["rollouts_consumed"] == 3 * cfg1.loop.rollouts_per_step
     assert summary1["async"]["floor_kl_seq"] is not None and summary1["async"]["floor_kl_seq"] < 1e-6
+
+
+def test_covrl_train_in_ray_mode_goes_through_the_common_exit_table(tmp_path, local_ray):
+    """`covrl train` with loop.mode=ray: with the trainer side in a Ray actor the run completes (exit 0, final
+    summary); a reward error met mid-run ends with exit 2 and a 'failed' summary, as in the local loops."""
+    import json
+    import sys
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_async_loop import tiny_cfg
+
+    from covrl.train.cli import train_from_config
+
+    hostile = Path(__file__).parents[1] / "reliability" / "_hostile_rewards.py"
+    base = {"loop.mode": "ray", "async_loop.sampler_cpus": 1, "async_loop.trainer_cpus": 1, "eval.after": False,
+            "sampler.share_weights": "never"}
+    cfg = tiny_cfg(tmp_path, steps=2, **base, **{"run.name": "in-actor", "async_loop.trainer_actor": True})
+    assert train_from_config(cfg) == 0
+    summary = json.loads((tmp_path / "in-actor" / "summary.json").read_text())
+    records = read_jsonl(tmp_path / "in-actor" / "metrics.jsonl")
+    assert summary["status"] == "completed" and [r["rollouts"] for r in records] == [16.0, 32.0]
+
+    cfg = tiny_cfg(tmp_path, steps=2, **base, **{"run.name": "bad-reward", "async_loop.trainer_actor": False,
+                                                  "task.reward_fn": f"{hostile}:crash",
+                                                  "task.reward_errors": "raise"})
+    assert train_from_config(cfg) == 2
+    summary = json.loads((tmp_path / "bad-reward" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["exit_code"] == 2, summary

@@ -88,18 +88,21 @@ def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
     with a final status, and for a failure the reason and the exit code (a refused --resume leaves the folder as
     it was)."""
     with _sigterm_as_interrupt():
-        return _train_from_config(cfg, config_path=config_path, resume=resume)
+        if cfg.loop.mode == "ray":   # Ray is started or joined first; the trainer side may run in an actor
+            from covrl.train.ray_backend import train_from_config_ray
+
+            return train_from_config_ray(cfg, config_path=config_path, resume=resume)
+        from covrl.train.async_loop import loop_functions
+
+        prepare_fn, train_fn = loop_functions(cfg.loop.mode)   # sync: prepare_run + train_sync
+        return run_training(cfg, prepare_fn, train_fn, config_path=config_path, resume=resume)
 
 
-def _train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
-    if cfg.loop.mode == "ray":   # the trainer side may run in a Ray actor: the backend drives the whole run
-        from covrl.train.ray_backend import train_from_config_ray
-
-        return train_from_config_ray(cfg, config_path=config_path, resume=resume)
-    from covrl.train.async_loop import loop_functions
+def run_training(cfg, prepare_fn, train_fn, *, config_path=None, resume: bool = False) -> int:
+    """The trainer side of `covrl train` for any loop: choose the run folder, prepare (`prepare_fn`), train
+    (`train_fn`), and map every way it can end to an exit code and a final summary.json status."""
     from covrl.train.run import choose_run_dir, mark_summary
 
-    prepare_fn, train_fn = loop_functions(cfg.loop.mode)   # sync: prepare_run + train_sync
     run_dir = choose_run_dir(cfg, config_path=config_path, resume=resume)
     before = _read_text(run_dir / "summary.json")
     try:
@@ -163,8 +166,11 @@ def _outcome(err: BaseException, name: str, *, setup: bool) -> tuple[int | None,
         return 130, "interrupted", f"interrupted; resume with: {again}"
     if isinstance(err, TrainingDivergedError):
         return 3, "diverged", str(err)
-    if isinstance(err, SamplerWorkerError):   # past the worker restart budget: checkpoints stay usable
-        return 5, "failed", f"{err}\nstopped; resume with: {again}"
+    if isinstance(err, SamplerWorkerError):
+        user_error = _bad_input_behind(err)   # a reward or prompt error met by an async sampler worker
+        if user_error is not None:
+            return 2, "failed", f"{user_error}\nstopped; fix the cause, then: {again}"
+        return 5, "failed", f"{err}\nstopped; resume with: {again}"   # past the worker restart budget
     if setup and isinstance(err, (ModelNotFoundError, FileNotFoundError, ValueError, CheckpointError)):
         return 2, "failed", str(err)
     if isinstance(err, (PromptTooLongError, RewardFunctionError, CheckpointError)):  # met mid-run: no traceback
@@ -183,3 +189,24 @@ def _print_summary(summary: dict) -> None:
             print(f"  held-out accuracy {label.split('_')[1]:>6}: {accs}  ({st['n_prompts']} prompts, "
                   f"max_new_tokens {st['max_new_tokens']}, sampled at T={st['temperature']})")
     print(f"  results: {summary['run_dir']}/summary.json, metrics.jsonl, eval.json, curves.png")
+
+
+def _bad_input_behind(err: BaseException) -> BaseException | None:
+    """The PromptTooLongError / RewardFunctionError in `err`'s cause chain (through Ray's wrapper of a remote
+    exception too), or None."""
+    from covrl.tasks import PromptTooLongError, RewardFunctionError
+
+    seen: set[int] = set()
+    current: BaseException | None = err
+    while current is not None and id(current) not in seen:
+        seen.add(id(current))
+        unwrap = getattr(current, "as_instanceof_cause", None)   # ray.exceptions.RayTaskError
+        if unwrap is not None:
+            try:
+                current = unwrap()
+            except Exception:  # noqa: BLE001 - an exception Ray cannot rebuild: keep the wrapper
+                pass
+        if isinstance(current, (PromptTooLongError, RewardFunctionError)):
+            return current
+        current = current.__cause__ or current.__context__
+    return None

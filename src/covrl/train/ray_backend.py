@@ -147,23 +147,22 @@ class TrainerActor:
         self.config_path = config_path
         self.resume = resume
 
-    def train(self) -> dict[str, Any]:
+    def train(self) -> int:
+        """The whole trainer side (covrl.train.cli.run_training): run folder, training, final summary; returns
+        `covrl train`'s exit code."""
+        from covrl.train.cli import run_training
+
         if self.cfg.run.num_threads:
             torch.set_num_threads(self.cfg.run.num_threads)
-        run = prepare_async_run(self.cfg, config_path=self.config_path, resume=self.resume,
-                                console=self.cfg.logging.console)
-        try:
-            return train_ray(run)
-        finally:
-            run.close()
+        return run_training(self.cfg, prepare_async_run, train_ray, config_path=self.config_path,
+                            resume=self.resume)
 
 
 def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int:
-    """`covrl train` with loop.mode=ray: join or start Ray, run the trainer side (in an actor when
-    async_loop.trainer_actor), print the summary. Exit codes as `covrl train`."""
-    from covrl.train.async_loop import SamplerWorkerError
-    from covrl.train.cli import _print_err, _print_summary
-    from covrl.train.trainer import TrainingDivergedError
+    """`covrl train` with loop.mode=ray: join or start Ray, then the trainer side (covrl.train.cli.run_training,
+    with the same exit codes and final summary.json statuses as the local loops) in this process or, with
+    async_loop.trainer_actor, in an actor placed by Ray."""
+    from covrl.train.cli import _print_err, run_training
 
     try:
         ray = _ray()
@@ -176,35 +175,11 @@ def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int
         if acfg.trainer_actor:
             actor = ray.remote(TrainerActor).options(num_cpus=acfg.trainer_cpus, num_gpus=acfg.trainer_gpus).remote(
                 cfg.model_dump(mode="json"), None if config_path is None else str(config_path), resume)
-            try:
-                summary = ray.get(actor.train.remote())
-            except ray.exceptions.RayTaskError as err:
-                cause = err.as_instanceof_cause()
-                if isinstance(cause, TrainingDivergedError):
-                    _print_err(str(cause))
-                    return 3
-                if isinstance(cause, SamplerWorkerError):
-                    _print_err(f"{cause}\nstopped; resume with: covrl train --resume --name NAME")
-                    return 5
-                raise
-        else:
-            run = prepare_async_run(cfg, config_path=config_path, resume=resume)
-            print(f"run folder: {run.run_dir}")
-            try:
-                summary = train_ray(run)
-            except TrainingDivergedError as err:
-                _print_err(str(err))
-                return 3
-            except SamplerWorkerError as err:   # past the actor restart budget: stop cleanly, checkpoints stay usable
-                _print_err(f"{err}\nstopped; resume with: covrl train --resume --name {run.run_dir.name}")
-                return 5
-            finally:
-                run.close()
-    except KeyboardInterrupt:
+            return ray.get(actor.train.remote())
+        return run_training(cfg, prepare_async_run, train_ray, config_path=config_path, resume=resume)
+    except KeyboardInterrupt:   # while waiting for the trainer actor (which writes its own summary)
         _print_err("interrupted; resume with: covrl train --resume --name NAME")
         return 130
     finally:
         if started:
             ray.shutdown()
-    _print_summary(summary)
-    return 0

@@ -300,8 +300,12 @@ def _process_main(cfg_dict: dict, rank: int, inbox, outbox) -> None:
         try:
             result = worker.generate_with(weights, version, examples, positions, rng, probe)
             outbox.put(("done", call, _dumps(result)))
-        except BaseException:
-            outbox.put(("error", call, traceback.format_exc()))
+        except BaseException as err:
+            try:   # the exception itself when it pickles (so the trainer side can tell a reward error apart)
+                exc = _dumps(err)
+            except Exception:  # noqa: BLE001
+                exc = None
+            outbox.put(("error", call, traceback.format_exc(), exc))
 
 
 _THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
@@ -326,6 +330,7 @@ class ProcessPool(DispatchPool):
         self.threads = str(state.acfg.sampler_threads or max(1, int(state.acfg.sampler_cpus)))
         self.procs = [self._spawn(r) for r in range(n)]
         self._results: dict[Any, dict] = {}
+        self._failed: set[Any] = set()     # calls whose generation raised: no result will come
         self._calls = 0
         self._starting = set(range(n))
         while self._starting:
@@ -399,7 +404,9 @@ class ProcessPool(DispatchPool):
             self._terminate()
             raise RuntimeError(f"sampler process {msg[1]} failed to start:\n{msg[2]}")
         elif kind == "error":
-            raise RuntimeError(f"sampler process failed on call {msg[1]}:\n{msg[2]}")
+            self._failed.add(msg[1])
+            cause = _loads(msg[3]) if msg[3] is not None else None
+            raise RuntimeError(f"sampler process failed on call {msg[1]}:\n{msg[2]}") from cause
         else:
             _, call, result = msg
             self._results[call] = _loads(result)
@@ -417,6 +424,8 @@ class ProcessPool(DispatchPool):
         deadline = time.perf_counter() + timeout
         rank = self.inflight[call][0]
         while call not in self._results:
+            if call in self._failed:
+                raise RuntimeError(f"sampler process {rank} failed on call {call}")
             if time.perf_counter() > deadline:
                 raise TimeoutError(f"sampler process {rank} did not return call {call} within {timeout} s")
             try:
