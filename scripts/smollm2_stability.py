@@ -434,6 +434,7 @@ def figure(path: Path, p1: dict, p2: dict) -> None:
     lr_first = next(iter(p2.values()))["schedule"]["base_lr"] if p2 else None
     seeds = sorted({name.split("seed")[-1] for name in p1})
     shade = {sd: 1.0 - 0.3 * i for i, sd in enumerate(seeds)}   # one shade per seed
+    shade2 = {sd: 1.0 - 0.45 * i for i, sd in enumerate(sorted({name.split("seed")[-1] for name in p2}))}
     colors = {"otb": "tab:blue", "grpo": "tab:orange", "surge": "tab:blue", "log_only": "tab:red"}
 
     def series(res, key):
@@ -469,7 +470,8 @@ def figure(path: Path, p1: dict, p2: dict) -> None:
             arm = name.split("-")[0]
             xs, ys = series(res, key)
             style = "-o" if res["schedule"]["base_lr"] == lr_first else "--s"   # one style per lr
-            ax.plot(xs, ys, style, ms=2.5, color=colors.get(arm, "k"), label=f"{name} (lr {res['schedule']['base_lr']:g})")
+            ax.plot(xs, ys, style, ms=2.5, color=colors.get(arm, "k"), alpha=shade2[name.split("seed")[-1]],
+                    label=f"{name} (lr {res['schedule']['base_lr']:g})")
             for d in res["analysis"]["decay_steps"]:
                 ax.axvline(d, color=colors.get(arm, "k"), alpha=0.3, ls="--", lw=1)
         if log:
@@ -478,7 +480,8 @@ def figure(path: Path, p1: dict, p2: dict) -> None:
         ax.set_xlabel("step (dashed: decays)")
         ax.legend(fontsize=7)
     fig.suptitle("SmolLM2-135M-Instruct, one-digit addition. Top: OTB vs GRPO (default config; lighter = later "
-                 "seed). Bottom: length-surge runs (bf16 sampler, aggressive lr, 48 new tokens)", fontsize=10)
+                 "seed). Bottom: length-surge runs (bf16 sampler, aggressive lr, 48 new tokens; lighter = later seed)",
+                 fontsize=10)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=95)
