@@ -397,23 +397,13 @@ def _median(xs) -> float:
 
 
 def _floats(x):
-    """Inverse of _jsonable for the non-finite floats it writes as strings."""
+    """Inverse of covrl.repro.common.jsonable for the non-finite floats it writes as strings."""
     if isinstance(x, str) and x in ("nan", "inf", "-inf"):
         return float(x)
     if isinstance(x, dict):
         return {k: _floats(v) for k, v in x.items()}
     if isinstance(x, list):
         return [_floats(v) for v in x]
-    return x
-
-
-def _jsonable(x):
-    if isinstance(x, float) and not math.isfinite(x):
-        return str(x)
-    if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
-    if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
     return x
 
 
@@ -629,11 +619,13 @@ def _with_run_folder(per_step: list[dict], path: Path) -> list[dict]:
 
 
 def _write(result: dict, out: Path, name: str = "smollm2-stability") -> dict:
+    from covrl.repro.common import jsonable
+
     out.mkdir(parents=True, exist_ok=True)
-    (out / f"{name}.json").write_text(json.dumps(_jsonable(result), indent=1))
+    (out / f"{name}.json").write_text(json.dumps(jsonable(result), indent=1))
     if result["part1"] or result["part2"]:
         figure(out / f"{name}.png", result["part1"], result["part2"])
-    print(json.dumps(_jsonable({"seconds": result["seconds"], "part1_across_seeds": result["part1_across_seeds"],
+    print(json.dumps(jsonable({"seconds": result["seconds"], "part1_across_seeds": result["part1_across_seeds"],
                                 "part1": {k: v["summary"] | {"timing": v.get("timing")}
                                           for k, v in result["part1"].items()},
                                 "part2": {k: v["analysis"] for k, v in result["part2"].items()}}), indent=1))

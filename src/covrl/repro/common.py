@@ -34,7 +34,7 @@ class ReproResult:
     seconds: float = 0.0
 
     def check(self, name: str, measured: Any, target: str, passed: bool) -> bool:
-        self.criteria.append(Criterion(name, _jsonable(measured), target, bool(passed)))
+        self.criteria.append(Criterion(name, jsonable(measured), target, bool(passed)))
         return bool(passed)
 
     @property
@@ -42,15 +42,15 @@ class ReproResult:
         return all(c.passed for c in self.criteria)
 
 
-def _jsonable(x: Any) -> Any:
+def jsonable(x: Any) -> Any:
     if hasattr(x, "tolist"):
         x = x.tolist()
     if isinstance(x, float) and not math.isfinite(x):
         return str(x)
     if isinstance(x, dict):
-        return {str(k): _jsonable(v) for k, v in x.items()}
+        return {str(k): jsonable(v) for k, v in x.items()}
     if isinstance(x, (list, tuple)):
-        return [_jsonable(v) for v in x]
+        return [jsonable(v) for v in x]
     return x
 
 
@@ -62,7 +62,7 @@ def write_result(result: ReproResult, out_dir: Path) -> Path:
     payload["machine"] = {"python": platform.python_version(), "platform": platform.platform()}
     payload["written_at"] = time.strftime("%Y-%m-%dT%H:%M:%S")
     path = out_dir / "result.json"
-    path.write_text(json.dumps(_jsonable(payload), indent=2))
+    path.write_text(json.dumps(jsonable(payload), indent=2))
     lines = [f"# {result.name}", "", result.claim, "", "| criterion | measured | target | pass |", "|---|---|---|---|"]
     for c in result.criteria:
         lines.append(f"| {c.name} | {_short(c.measured)} | {c.target} | {'yes' if c.passed else 'NO'} |")
