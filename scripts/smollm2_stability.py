@@ -70,6 +70,7 @@ class Settings:
     surge_warmup_steps: int
     surge_cooldown_steps: int
     surge_logging_arm: bool        # also run the schedule in log-only mode on the same seed
+    surge_schedule_arm: bool = True  # run the schedule-enabled arm (off: a log-only control at some lr alone)
     force_surge_step: int | None = None  # test only: suppress EOS in the sampler from this step on
     prompts_per_step: int | None = None  # None = the default config's
     max_new_tokens: int | None = None    # part 1; None = the default config's
@@ -272,7 +273,10 @@ def part2(s: Settings, run_root: Path, seed: int) -> dict[str, Any]:
     from covrl.config import load_config
 
     lr = load_config(DEFAULT_CONFIG).optim.lr * s.surge_lr_mult
-    arms = {"surge": True, **({"log_only": False} if s.surge_logging_arm else {})}
+    arms = {**({"surge": True} if s.surge_schedule_arm else {}),
+            **({"log_only": False} if s.surge_logging_arm else {})}
+    if not arms:
+        raise ValueError("part 2 with neither arm")
     out: dict[str, Any] = {}
     for arm, enabled in arms.items():
         name = part2_name(arm, seed, s.surge_lr_mult)
@@ -421,7 +425,8 @@ def figure(path: Path, p1: dict, p2: dict) -> None:
     import matplotlib.pyplot as plt
 
     fig, axes = plt.subplots(2, 4, figsize=(19, 8))
-    lr_first = next(iter(p2.values()))["schedule"]["base_lr"] if p2 else None
+    lrs = list(dict.fromkeys(res["schedule"]["base_lr"] for res in p2.values()))   # in order of appearance
+    styles = {lr: ("-o", "--s", ":^", "-.v")[min(i, 3)] for i, lr in enumerate(lrs)}   # one style per lr
     seeds = sorted({name.split("seed")[-1] for name in p1})
     shade = {sd: 1.0 - 0.3 * i for i, sd in enumerate(seeds)}   # one shade per seed
     shade2 = {sd: 1.0 - 0.45 * i for i, sd in enumerate(sorted({name.split("seed")[-1] for name in p2}))}
@@ -459,8 +464,8 @@ def figure(path: Path, p1: dict, p2: dict) -> None:
         for name, res in p2.items():
             arm = name.split("-")[0]
             xs, ys = series(res, key)
-            style = "-o" if res["schedule"]["base_lr"] == lr_first else "--s"   # one style per lr
-            ax.plot(xs, ys, style, ms=2.5, color=colors.get(arm, "k"), alpha=shade2[name.split("seed")[-1]],
+            ax.plot(xs, ys, styles[res["schedule"]["base_lr"]], ms=2.5, color=colors.get(arm, "k"),
+                    alpha=shade2[name.split("seed")[-1]],
                     label=f"{name} (lr {res['schedule']['base_lr']:g})")
             for d in res["analysis"]["decay_steps"]:
                 ax.axvline(d, color=colors.get(arm, "k"), alpha=0.3, ls="--", lw=1)
@@ -530,6 +535,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     p.add_argument("--skip-part1", action="store_true")
     p.add_argument("--skip-part2", action="store_true")
     p.add_argument("--no-log-only-arm", action="store_true", help="part 2 without the logging-only run")
+    p.add_argument("--no-surge-arm", action="store_true",
+                   help="part 2 without the schedule-enabled run (e.g. a constant-lr log-only control)")
     p.add_argument("--surge-lr-mult", type=float, default=None, help="part 2 lr as a multiple of the default (10)")
     p.add_argument("--surge-steps", type=int, default=None, help="part 2 steps per run (20)")
     p.add_argument("--surge-seed", type=int, default=None, help="part 2 seed (default: the first of --seeds)")
@@ -564,6 +571,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         s = replace(s, seeds=tuple(args.seeds))
     if args.no_log_only_arm:
         s = replace(s, surge_logging_arm=False)
+    if args.no_surge_arm:
+        s = replace(s, surge_schedule_arm=False)
     if args.surge_lr_mult is not None:
         s = replace(s, surge_lr_mult=args.surge_lr_mult)
     if args.surge_steps is not None:

@@ -91,6 +91,35 @@ def test_part2_names_keep_the_first_pass_and_separate_other_lrs():
     assert m.part2_name("surge", 1, 2.5) == "surge-lr2.5x-seed1"
 
 
+def test_part2_can_run_the_log_only_arm_alone(tmp_path, monkeypatch):
+    """--no-surge-arm: a single constant-lr log-only run (the control for the lr 5x pair), nothing trained here."""
+    from dataclasses import replace
+
+    from covrl.config import load_config
+
+    m = _script()
+    seen = []
+
+    def fake_drive(cfg, **kw):
+        seen.append(cfg)
+        return {"records": []}
+
+    monkeypatch.setattr(m, "drive", fake_drive)
+    s = replace(m.FULL, surge_lr_mult=2.5, surge_steps=40, surge_schedule_arm=False)
+    out = m.part2(s, tmp_path, 0)
+    assert list(out) == ["log_only-lr2.5x-seed0"] and len(seen) == 1
+    cfg = seen[0]
+    assert cfg.lr_surge.enabled is False and cfg.loop.steps == 40 and cfg.run.seed == 0
+    assert math.isclose(cfg.optim.lr, 2.5 * load_config(m.DEFAULT_CONFIG).optim.lr)
+    assert out["log_only-lr2.5x-seed0"]["schedule"]["base_lr"] == cfg.optim.lr
+    # the default still runs both arms, schedule first
+    seen.clear()
+    assert list(m.part2(replace(s, surge_schedule_arm=True), tmp_path, 0)) == ["surge-lr2.5x-seed0",
+                                                                              "log_only-lr2.5x-seed0"]
+    with pytest.raises(ValueError, match="neither arm"):
+        m.part2(replace(s, surge_logging_arm=False), tmp_path, 0)
+
+
 def test_from_json_refuses_a_merge_with_clashing_run_names(tmp_path):
     m = _script()
     stored = ROOT / "docs" / "results" / "smollm2-stability.json"
