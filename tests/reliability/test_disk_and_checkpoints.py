@@ -238,8 +238,10 @@ def test_every_exit_of_covrl_train_leaves_a_final_summary(tmp_path, monkeypatch,
     if code != 1:
         assert "Traceback" not in capsys.readouterr().err
     if case == "diverged":
-        # the diverging step (4) is not in metrics.jsonl: it raises inside Trainer.step, before the loop logs
-        assert [r["step"] for r in metrics(tmp_path / "x")] == [1, 2, 3] and summary["steps"] == 3
+        # the diverging step (4) is logged and counted too (its metrics travel on the exception)
+        records = metrics(tmp_path / "x")
+        assert [r["step"] for r in records] == [1, 2, 3, 4] and summary["steps"] == 4
+        assert records[-1]["skipped"] == 1.0 and "step 4:" in summary["reason"]
 
 
 def test_resume_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, capsys):

@@ -169,7 +169,8 @@ def test_one_bad_step_between_good_ones_does_not_stop_the_run(initial_state):
     assert all(torch.isfinite(v).all() for v in model.state_dict().values())
 
 
-def test_persistent_nan_in_a_run_stops_with_exit_3_and_a_usable_checkpoint(tmp_path, monkeypatch, capsys):
+@pytest.mark.parametrize("mode", ["sync", "async"])
+def test_persistent_nan_in_a_run_stops_with_exit_3_and_a_usable_checkpoint(tmp_path, monkeypatch, capsys, mode):
     """Trainer log-probs turn NaN from step 3 on: steps 3-4 are skipped (weights untouched, still
     checkpointed on the data clock), step 5 stops the run. The last checkpoint holds the step-2 weights,
     loads, and a resume without the fault completes the run."""
@@ -188,7 +189,7 @@ def test_persistent_nan_in_a_run_stops_with_exit_3_and_a_usable_checkpoint(tmp_p
         return out
 
     overrides = tiny_overrides(tmp_path, "nan", "logging.console=false", "sft_warmup.steps=0", "loop.steps=6",
-                               "optim.max_bad_steps=3", "logging.diagnostics=false")
+                               "optim.max_bad_steps=3", "logging.diagnostics=false", f"loop.mode={mode}")
     monkeypatch.setattr(trainer_module, "forward_response", poisoned)
     assert train_from_config(load_config(TINY, overrides)) == 3
     monkeypatch.undo()
@@ -196,9 +197,10 @@ def test_persistent_nan_in_a_run_stops_with_exit_3_and_a_usable_checkpoint(tmp_p
     assert "3 steps in a row skipped (optim.max_bad_steps=3)" in err and "Traceback" not in err
     run_dir = tmp_path / "nan"
     records = metrics(run_dir)
-    # the step that raises is not logged (the exception leaves Trainer.step before the loop logs it)
-    assert [r["skipped"] for r in records] == [0.0, 0.0, 1.0, 1.0]
-    assert "non-finite" in records[-1]["skip_reason"]
+    # the step that raises is logged too (its metrics travel on the exception), with its reason
+    assert [r["skipped"] for r in records] == [0.0, 0.0, 1.0, 1.0, 1.0]
+    assert [r["step"] for r in records] == [1, 2, 3, 4, 5]
+    assert all("non-finite" in r["skip_reason"] for r in records[2:])
     assert json.loads((run_dir / "summary.json").read_text())["status"] == "diverged"
     ckpts = ckpt.list_checkpoints(run_dir)
     from safetensors.torch import load_file

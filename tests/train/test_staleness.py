@@ -17,12 +17,13 @@ from covrl.train.staleness import StalenessManager, staleness_metrics
 
 def simulate(*, chunk: int, chunks_per_step: int, lag: int | None, samplers: int, steps: int, seed: int,
              sync_every: int = 1, drop: int | None = None, max_running: int | None = None,
-             resume_at: int | None = None, slow_tail: float = 0.0):
+             resume_at: int | None = None, slow_tail: float = 0.0, skip_prob: float = 0.0):
     """Samplers (each one chunk at a time) and one trainer on a shared clock. Generation time per chunk and
     step time are random (seeded); with probability `slow_tail` a chunk takes 20x longer (out-of-order finishes).
     A sampler picks up the newest published weights (every `sync_every` steps) before each chunk.
     `resume_at`: after that many steps, round-trip the manager through state_dict (pickled) into a new one;
-    running chunks are then generated again. Returns (manager, consumed chunks, per-step staleness, peaks)."""
+    running chunks are then generated again. `skip_prob`: a step's update is skipped (no new policy version, as
+    after a non-finite loss) with this probability. Returns (manager, consumed chunks, per-step staleness, peaks)."""
     rng = random.Random(seed)
     B = chunk * chunks_per_step
     mgr = StalenessManager(B, lag, drop_older_than_rollouts=drop, max_running=max_running)
@@ -77,9 +78,12 @@ def simulate(*, chunk: int, chunks_per_step: int, lag: int | None, samplers: int
         else:
             trainer_busy = False
             steps_done += 1
-            trainer_version += 1
-            if trainer_version % sync_every == 0:
-                published = trainer_version
+            if skip_prob and rng.random() < skip_prob:
+                mgr.batch_skipped()
+            else:
+                trainer_version += 1
+                if trainer_version % sync_every == 0:
+                    published = trainer_version
             if resume_at is not None and steps_done == resume_at:
                 state = pickle.loads(pickle.dumps(mgr.state_dict()))
                 mgr = StalenessManager(B, lag, drop_older_than_rollouts=drop, max_running=max_running)
@@ -98,9 +102,12 @@ def simulate(*, chunk: int, chunks_per_step: int, lag: int | None, samplers: int
 @settings(max_examples=60, deadline=None)
 @given(chunk=st.integers(1, 4), chunks_per_step=st.integers(1, 4), lag_steps=st.integers(0, 3),
        extra=st.integers(0, 3), samplers=st.integers(1, 4), sync_every=st.integers(1, 3),
-       slow_tail=st.sampled_from([0.0, 0.3]), seed=st.integers(0, 10_000))
+       slow_tail=st.sampled_from([0.0, 0.3]), skip_prob=st.sampled_from([0.0, 0.0, 0.4]),
+       seed=st.integers(0, 10_000))
 def test_admission_never_exceeds_the_bound(chunk, chunks_per_step, lag_steps, extra, samplers, sync_every,
-                                           slow_tail, seed):
+                                           slow_tail, skip_prob, seed):
+    """Random generation and step times, out-of-order finishes, weight syncs every k steps and skipped updates
+    (which must neither deadlock admission nor break the bound)."""
     B = chunk * chunks_per_step
     # weights synced every k steps lag up to k - 1 steps behind the trainer: Q < (k - 1)*B would deadlock
     # (the loop's config refuses it), so the bound is raised to at least that.
@@ -108,7 +115,7 @@ def test_admission_never_exceeds_the_bound(chunk, chunks_per_step, lag_steps, ex
     Q = lag_steps * B + extra * chunk             # Q need not be a multiple of B
     mgr, consumed, staleness, peak = simulate(chunk=chunk, chunks_per_step=chunks_per_step, lag=Q,
                                               samplers=samplers, steps=12, seed=seed, sync_every=sync_every,
-                                              slow_tail=slow_tail)
+                                              slow_tail=slow_tail, skip_prob=skip_prob)
     bound = math.ceil(Q / B)
     assert mgr.staleness_bound_steps == bound
     assert max(max(s) for s in staleness) <= bound

@@ -537,6 +537,10 @@ def train_async(run, *, acfg: AsyncLoopConfig | None = None, pool: str | None = 
             res = worker_pool.next_batch(trainer.version)
             batch = concat_batches([c.payload for c in res.chunks], state.pad_id)
             metrics = trainer.step(batch)
+            if metrics.get("skipped"):   # no new policy version: admission must not wait for one
+                with state.cond:
+                    state.manager.batch_skipped()
+                    state.cond.notify_all()
             run.step += 1
             done_now += 1
             # the data position of a consumed batch, as in the sync loop (prompts handed to the trainer)
@@ -557,6 +561,9 @@ def train_async(run, *, acfg: AsyncLoopConfig | None = None, pool: str | None = 
             run.maybe_checkpoint()
     except TrainingDivergedError as err:
         worker_pool.stop()
+        # the step that raised consumed its rollouts and was skipped like the ones before it: log it too
+        run.step += 1
+        run.log({"step": run.step, **err.metrics, "skip_reason": trainer.last_skip_reason})
         run.status = "diverged"
         run.message(f"training stopped: {err}")
         run.finish()

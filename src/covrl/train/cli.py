@@ -125,8 +125,8 @@ def run_training(cfg, prepare_fn, train_fn, *, config_path=None, resume: bool = 
     except (Exception, KeyboardInterrupt) as err:   # other BaseExceptions (SystemExit) pass untouched
         code, status, text = _outcome(err, run_state.run_dir.name, setup=False)
         reason = _reason(err)
-        if status == "diverged":   # raised inside Trainer.step, before the loop counted or logged the step
-            reason = f"step {run_state.step + 1}: {reason}"
+        if status == "diverged":   # the loop counted and logged the step that raised
+            reason = f"step {run_state.step}: {reason}"
         run_state.end(status, reason=reason, exit_code=1 if code is None else code)
         if code is None:
             raise

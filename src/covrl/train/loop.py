@@ -82,6 +82,9 @@ def train_sync(run: Run, *, stop_after: int | None = None) -> dict[str, Any]:
             run.maybe_evaluate()
             run.maybe_checkpoint()
     except TrainingDivergedError as err:
+        # the step that raised consumed its rollouts and was skipped like the ones before it: log it too
+        run.step += 1
+        run.log({"step": run.step, **err.metrics, "skip_reason": trainer.last_skip_reason})
         run.status = "diverged"
         run.message(f"training stopped: {err}")
         run.finish()

@@ -100,6 +100,7 @@ class StalenessManager:
         self.running = 0        # admitted, not completed
         self.consumed = 0       # handed to the trainer
         self.dropped = 0        # discarded as too stale
+        self.skipped_batches = 0   # consumed batches whose update was not applied (no new policy version)
         self.next_ticket = 0
         self._chunks: list[Chunk] = []     # admitted and not yet consumed/dropped, ticket order
         self._restart: list[Chunk] = []    # admitted before a resume, to be generated again (ticket order)
@@ -114,15 +115,24 @@ class StalenessManager:
         return math.ceil(self.max_lag_rollouts / self.batch_rollouts)
 
     def capacity(self, sampler_version: int) -> int:
-        """capacity(s) = (s + 1)·B + Q − (accepted + running), also limited by max_running − running.
-        A very large number when both are unbounded."""
+        """capacity(s) = (s + m + 1)·B + Q − (accepted + running), also limited by max_running − running, with
+        m = `skipped_batches`. A very large number when both are unbounded.
+
+        Why m: a consumed batch whose update is skipped (non-finite loss, empty batch) advances the data clock but
+        not the policy version, so without m the sampler's version would stop admitting while the trainer waits for
+        data (a deadlock). The bound still holds: a rollout admitted at (s, m) is consumed in a batch k ≤ s + m + η,
+        when the trainer's version is at most k − m ≤ s + η (skips are never undone)."""
         cap = math.inf
         if self.max_lag_rollouts is not None:
-            cap = (int(sampler_version) + 1) * self.batch_rollouts + self.max_lag_rollouts \
-                - (self.accepted + self.running)
+            cap = (int(sampler_version) + self.skipped_batches + 1) * self.batch_rollouts \
+                + self.max_lag_rollouts - (self.accepted + self.running)
         if self.max_running is not None:
             cap = min(cap, self.max_running - self.running)
         return int(cap) if cap != math.inf else 2**62
+
+    def batch_skipped(self) -> None:
+        """The last batch taken was not applied (the trainer skipped its update): see `capacity`."""
+        self.skipped_batches += 1
 
     def has_restart(self) -> bool:
         return bool(self._restart)
@@ -244,6 +254,7 @@ class StalenessManager:
         return {
             "batch_rollouts": self.batch_rollouts, "accepted": self.accepted, "running": self.running,
             "consumed": self.consumed, "dropped": self.dropped, "next_ticket": self.next_ticket,
+            "skipped_batches": self.skipped_batches,
             "chunks": [{"ticket": c.ticket, "size": c.size, "version": c.version, "meta": c.meta,
                         "done": c.done, "payload": c.payload if c.done else None}
                        for c in self._chunks],
@@ -255,6 +266,7 @@ class StalenessManager:
                              f"{self.batch_rollouts}; the data clock needs the same rollouts per step")
         for key in ("accepted", "running", "consumed", "dropped", "next_ticket"):
             setattr(self, key, int(state[key]))
+        self.skipped_batches = int(state.get("skipped_batches", 0))   # absent in checkpoints before it existed
         chunks = [Chunk(ticket=int(c["ticket"]), size=int(c["size"]), version=int(c["version"]),
                         meta=dict(c["meta"]), payload=c["payload"], done=bool(c["done"]))
                   for c in state["chunks"]]

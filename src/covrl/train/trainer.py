@@ -54,7 +54,12 @@ SAMPLER_RATIO_LOSSES = frozenset({"ppo_clip"})
 
 
 class TrainingDivergedError(RuntimeError):
-    """Raised after `optim.max_bad_steps` skipped (non-finite) steps in a row."""
+    """Raised after `optim.max_bad_steps` skipped (non-finite) steps in a row; `metrics` are the last skipped
+    step's (so the loop can still log it)."""
+
+    def __init__(self, message: str, metrics: dict[str, float] | None = None):
+        super().__init__(message)
+        self.metrics = dict(metrics or {})
 
 
 @dataclass
@@ -366,7 +371,8 @@ class Trainer:
         if self.bad_steps >= self.cfg.optim.max_bad_steps:
             raise TrainingDivergedError(
                 f"{self.bad_steps} steps in a row skipped (optim.max_bad_steps={self.cfg.optim.max_bad_steps}); "
-                f"last reason: {reason}. Lower optim.lr, enable optim.max_grad_norm or check the rewards.")
+                f"last reason: {reason}. Lower optim.lr, enable optim.max_grad_norm or check the rewards.",
+                metrics)
         return metrics
 
     def _plan(self, batch: RolloutBatch) -> tuple[list[list[int]], bool]:
