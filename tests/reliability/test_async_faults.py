@@ -32,7 +32,7 @@ def overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
 
 
 def run(tmp_path: Path, name: str, *extra: str, resume: bool = False) -> int:
-    from covrl.train.cli import train_from_config
+    from covrl.train.launch import train_from_config
 
     torch.set_num_threads(1)
     return train_from_config(load_config(TINY, overrides(tmp_path, name, *extra)), resume=resume)

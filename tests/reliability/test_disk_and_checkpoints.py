@@ -99,7 +99,7 @@ def test_clean_temporary_removes_partials_and_restores_an_interrupted_swap(tmp_p
 
 def _run(tmp_path, name, *extra, resume=False, capsys=None):
     from covrl.config import load_config
-    from covrl.train.cli import train_from_config
+    from covrl.train.launch import train_from_config
 
     torch.set_num_threads(1)
     cfg = load_config(TINY, tiny_overrides(tmp_path, name, "logging.console=false", "sft_warmup.steps=0",
@@ -207,8 +207,8 @@ EXITS = {
 
 @pytest.mark.parametrize("case", list(EXITS))
 def test_every_exit_of_covrl_train_leaves_a_final_summary(tmp_path, monkeypatch, capsys, case):
-    from covrl.train import loop as loop_module
     from covrl.train import sft as sft_module
+    from covrl.train import sources as sources_module
 
     extra, fault, code, status, reason = EXITS[case]
     if fault == "enospc":
@@ -220,7 +220,7 @@ def test_every_exit_of_covrl_train_leaves_a_final_summary(tmp_path, monkeypatch,
         _kill_sampler_thread(monkeypatch)
     elif fault in ("interrupt", "unexpected"):
         exc = KeyboardInterrupt() if fault == "interrupt" else RuntimeError("boom")
-        monkeypatch.setattr(loop_module, "score_rollouts", _at_call(2, exc, loop_module.score_rollouts))
+        monkeypatch.setattr(sources_module, "score_rollouts", _at_call(2, exc, sources_module.score_rollouts))
     elif fault == "setup-interrupt":   # Ctrl-C during the SFT warm-up: the run folder exists, no Run yet
         monkeypatch.setattr(sft_module, "sft_warmup", _at_call(1, KeyboardInterrupt()))
     try:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,7 +17,7 @@ from _reliability_tiny import TINY, metrics, tiny_overrides
 from covrl.config import load_config
 from covrl.math import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from covrl.models import tiny_llama
-from covrl.rollout.types import RolloutBatch
+from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train import checkpoint as ckpt
 from covrl.train import trainer as trainer_module
 from covrl.train.trainer import Trainer, TrainingDivergedError, forward_response
@@ -39,7 +40,7 @@ def fresh_model(initial_state):
     return model
 
 
-def scored_batch(model, seed: int = 0) -> RolloutBatch:
+def scored_batch(model, seed: int = 0) -> ScoredBatch:
     """GROUPS x N rows of random prompts/responses (varied lengths), sampler log-probs = the model's own,
     binary rewards with variance in every group."""
     g = torch.Generator().manual_seed(seed)
@@ -53,9 +54,8 @@ def scored_batch(model, seed: int = 0) -> RolloutBatch:
                          group_ids=torch.arange(GROUPS).repeat_interleave(N),
                          policy_version=torch.zeros(rows, dtype=torch.long))
     with torch.no_grad():
-        batch.sampler_logprobs = forward_response(model, batch, 1.0, with_stats=False).logprobs * mask
-    batch.rewards = torch.tensor([1.0, 0.0] * (rows // 2))
-    return batch
+        lp = forward_response(model, batch, 1.0, with_stats=False).logprobs * mask
+    return replace(batch, sampler_logprobs=lp).scored(torch.tensor([1.0, 0.0] * (rows // 2)))
 
 
 def corrupt_logits(model, how: str):
@@ -77,23 +77,29 @@ def corrupt_logits(model, how: str):
     model.forward = forward
 
 
-def apply_fault(model, batch: RolloutBatch, fault: str) -> None:
+def apply_fault(model, batch: ScoredBatch, fault: str) -> ScoredBatch:
+    """`batch` with the fault applied (a new batch; a corrupted model is changed in place)."""
     if fault in ("nan_logit", "+inf_logit", "masked_vocab"):
         corrupt_logits(model, {"nan_logit": "nan", "+inf_logit": "+inf", "masked_vocab": "-inf"}[fault])
+        return batch
     elif fault == "zero_variance_groups":
-        batch.rewards = torch.zeros_like(batch.rewards)
+        return replace(batch, rewards=torch.zeros_like(batch.rewards))
     elif fault == "all_masked":
-        batch.response_mask = torch.zeros_like(batch.response_mask)
+        return replace(batch, response_mask=torch.zeros_like(batch.response_mask))
     elif fault == "empty_rows":
-        batch.response_mask[2:5] = 0.0
+        mask = batch.response_mask.clone()
+        mask[2:5] = 0.0
+        return replace(batch, response_mask=mask)
     elif fault == "log_ratio+1e4":
-        batch.sampler_logprobs = batch.sampler_logprobs + 1e4 * batch.response_mask
+        return replace(batch, sampler_logprobs=batch.sampler_logprobs + 1e4 * batch.response_mask)
     elif fault == "log_ratio-1e4":
-        batch.sampler_logprobs = batch.sampler_logprobs - 1e4 * batch.response_mask
+        return replace(batch, sampler_logprobs=batch.sampler_logprobs - 1e4 * batch.response_mask)
     elif fault == "huge_rewards":
-        batch.rewards = batch.rewards * 1e30
+        return replace(batch, rewards=batch.rewards * 1e30)
     elif fault == "nan_sampler_logprob":
-        batch.sampler_logprobs[0, 0] = math.nan
+        lp = batch.sampler_logprobs.clone()
+        lp[0, 0] = math.nan
+        return replace(batch, sampler_logprobs=lp)
     else:  # pragma: no cover
         raise ValueError(fault)
 
@@ -114,7 +120,7 @@ def test_fault_goes_through_a_step_without_non_finite_weights(initial_state, fau
                                  "optim.micro_batch_size=4", "optim.lr=1e-2", *extra])
         model = fresh_model(initial_state)
         batch = scored_batch(model)
-        apply_fault(model, batch, fault)
+        batch = apply_fault(model, batch, fault)
         trainer = Trainer(model, cfg)
         label = f"{advantage}+{loss}"
         try:
@@ -162,7 +168,7 @@ def test_one_bad_step_between_good_ones_does_not_stop_the_run(initial_state):
     trainer = Trainer(model, cfg)
     good = scored_batch(model)
     bad = scored_batch(model)
-    bad.rewards = bad.rewards * math.nan  # rewards that bypassed the reward runner's finiteness check
+    bad = replace(bad, rewards=bad.rewards * math.nan)  # rewards that bypassed the reward runner's finiteness check
     for batch in (good, bad, good, bad, good):
         trainer.step(batch)
     assert trainer.version == 3 and trainer.bad_steps == 0
@@ -174,7 +180,7 @@ def test_persistent_nan_in_a_run_stops_with_exit_3_and_a_usable_checkpoint(tmp_p
     """Trainer log-probs turn NaN from step 3 on: steps 3-4 are skipped (weights untouched, still
     checkpointed on the data clock), step 5 stops the run. The last checkpoint holds the step-2 weights,
     loads, and a resume without the fault completes the run."""
-    from covrl.train.cli import train_from_config
+    from covrl.train.launch import train_from_config
 
     torch.set_num_threads(1)
     calls = {"n": 0}

@@ -172,7 +172,7 @@ class _Payload:
 
 
 def test_a_pickled_payload_in_a_checkpoint_is_refused_not_run(tmp_path, capsys):
-    from covrl.train.cli import train_from_config
+    from covrl.train.launch import train_from_config
 
     torch.set_num_threads(1)
     overrides = tiny_overrides(tmp_path, "sec", "logging.console=false", "sft_warmup.steps=0", "loop.steps=1",

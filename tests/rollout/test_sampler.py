@@ -77,7 +77,7 @@ def test_shapes_groups_and_eos_masking(tiny):
     for i in range(B):  # the text drops padding and the EOS token
         kept = [t for t in batch.response_ids[i, : int(lengths[i])].tolist() if t > 3]
         assert texts[i] == tok.decode(kept)
-    assert batch.info["generate_s"] > 0 and batch.info["num_response_tokens"] == int(lengths.sum())
+    assert batch.timing.generate_s > 0 and batch.num_response_tokens == int(lengths.sum())
 
 
 @pytest.mark.parametrize("opts", [{}, {"temperature": 0.7, "top_k": 20}, {"temperature": 1.3, "top_p": 0.8}])

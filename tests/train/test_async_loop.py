@@ -9,8 +9,9 @@ import pytest
 import torch
 
 from covrl.config import load_config
+from covrl.rollout.types import concat_batches
 from covrl.train.async_config import AsyncLoopConfig
-from covrl.train.async_loop import concat_batches, prepare_async_run, train_async
+from covrl.train.async_loop import prepare_async_run, train_async
 from covrl.train.loop import train_sync
 from covrl.train.run import prepare_run
 from covrl.train.sinks import read_jsonl
@@ -115,7 +116,7 @@ def test_concat_batches_keeps_rows_and_groups():
     g = torch.Generator().manual_seed(0)
     a = sampler.generate([[5, 6, 7], [8, 9]], 2, generator=g, policy_version=3)
     b = sampler.generate([[10, 11, 12, 13, 14]], 3, generator=g, policy_version=4)
-    a.rewards, b.rewards = torch.ones(len(a)), torch.zeros(len(b))
+    a, b = a.scored(torch.ones(len(a))), b.scored(torch.zeros(len(b)))
     c = concat_batches([a, b], pad_id=tok.pad_token_id)
     assert len(c) == 7 and c.group_ids.tolist() == [0, 0, 1, 1, 2, 2, 2]
     assert c.policy_version.tolist() == [3] * 4 + [4] * 3

@@ -90,7 +90,7 @@ def test_covrl_train_in_ray_mode_goes_through_the_common_exit_table(tmp_path, lo
     sys.path.insert(0, str(Path(__file__).parent))
     from test_async_loop import tiny_cfg
 
-    from covrl.train.cli import train_from_config
+    from covrl.train.launch import train_from_config
 
     hostile = Path(__file__).parents[1] / "reliability" / "_hostile_rewards.py"
     base = {"loop.mode": "ray", "async_loop.sampler_cpus": 1, "async_loop.trainer_cpus": 1, "eval.after": False,

@@ -4,6 +4,7 @@ registry's loss, every estimator/loss/correction option runs, the pairing rule, 
 from __future__ import annotations
 
 import math
+from dataclasses import fields, replace
 
 import pytest
 import torch
@@ -17,6 +18,7 @@ from covrl.math import (
     policy_loss,
 )
 from covrl.models import frozen_copy, tiny_llama
+from covrl.rollout.types import RolloutBatch
 from covrl.train.schedule import lr_factor
 from covrl.train.trainer import Trainer, TrainingDivergedError, forward_response
 
@@ -190,7 +192,7 @@ def test_empty_generations_are_skipped_with_a_reason():
     model = make_model()
     trainer = Trainer(model, tiny_cfg())
     batch = synthetic_batch(model)
-    batch.response_mask.zero_()
+    batch = replace(batch, response_mask=torch.zeros_like(batch.response_mask))
     m = trainer.step(batch)
     assert m["skipped"] == 1.0 and "empty" in trainer.last_skip_reason
 
@@ -198,9 +200,11 @@ def test_empty_generations_are_skipped_with_a_reason():
 def test_unscored_batch_is_rejected():
     model = make_model()
     batch = synthetic_batch(model)
-    batch.rewards = None
+    unscored = RolloutBatch(**{f.name: getattr(batch, f.name) for f in fields(RolloutBatch)})
     with pytest.raises(ValueError, match="rewards"):
-        Trainer(model, tiny_cfg()).step(batch)
+        Trainer(model, tiny_cfg()).step(unscored)
+    with pytest.raises(ValueError, match="rewards"):
+        replace(batch, rewards=None)
 
 
 def test_lr_schedule_on_the_data_clock():

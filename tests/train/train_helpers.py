@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from covrl.config import load_config
@@ -64,14 +66,14 @@ def synthetic_batch(model, *, groups=3, group_size=4, prompt_len=5, max_len=6, v
                          policy_version=torch.zeros(rows, dtype=torch.long))
     with torch.no_grad():
         lp = forward_response(model, batch, temperature, with_stats=False).logprobs
-        batch.sampler_logprobs = (lp + noise * torch.randn(lp.shape, generator=g)) * response_mask
+        batch = replace(batch, sampler_logprobs=(lp + noise * torch.randn(lp.shape, generator=g)) * response_mask)
         if topk:
             ids = torch.cat([batch.response_ids[..., None],
                              torch.randint(4, vocab, (rows, max_len, topk - 1), generator=g)], -1)
-            batch.sampler_topk_ids = ids
+            batch = replace(batch, sampler_topk_ids=ids)
             out = forward_response(model, batch, temperature, with_stats=False, topk_ids=ids)
-            batch.sampler_topk_logprobs = out.topk_logprobs + noise * torch.randn(out.topk_logprobs.shape,
-                                                                                  generator=g)
-    batch.rewards = torch.randint(0, 2, (rows,), generator=g).float()
-    batch.rewards[:group_size] = torch.tensor([1.0, 0.0] * (group_size // 2) + [1.0] * (group_size % 2))
-    return batch
+            batch = replace(batch, sampler_topk_logprobs=out.topk_logprobs + noise * torch.randn(
+                out.topk_logprobs.shape, generator=g))
+    rewards = torch.randint(0, 2, (rows,), generator=g).float()
+    rewards[:group_size] = torch.tensor([1.0, 0.0] * (group_size // 2) + [1.0] * (group_size % 2))
+    return batch.scored(rewards)

@@ -113,7 +113,7 @@ def _generate_covrl(sampler, prompts, n, seed):
     t0 = time.perf_counter()
     batch = sampler.generate(prompts, n, generator=gen)
     dt = time.perf_counter() - t0
-    return dt, int(batch.response_mask.sum()), int(batch.response_ids.shape[1]), batch.info.get("prefill_s")
+    return dt, int(batch.response_mask.sum()), int(batch.response_ids.shape[1]), batch.timing.prefill_s
 
 
 def run(args: argparse.Namespace) -> int:

@@ -60,7 +60,7 @@ def synthetic_batch(model, vocab: int, rows: int, prompt_len: int, resp_len: int
     import torch
 
     from covrl.math import token_logprobs
-    from covrl.rollout import RolloutBatch
+    from covrl.rollout import ScoredBatch
 
     g = torch.Generator().manual_seed(seed)
     low = 4 if vocab > 8 else 0  # keep clear of special ids
@@ -73,12 +73,12 @@ def synthetic_batch(model, vocab: int, rows: int, prompt_len: int, resp_len: int
         lp = token_logprobs(logits, resp)
         top = torch.log_softmax(logits, -1).topk(topk, dim=-1)
     noise = 0.05 * torch.randn(lp.shape, generator=g)
-    return RolloutBatch(
+    return ScoredBatch(
         prompt_ids=prompt, prompt_mask=torch.ones(rows, prompt_len), response_ids=resp,
         response_mask=torch.ones(rows, resp_len), sampler_logprobs=lp + noise,
         group_ids=torch.arange(rows) // group_size, policy_version=torch.zeros(rows, dtype=torch.long),
         rewards=(torch.rand(rows, generator=g) < 0.5).float(), sampler_topk_ids=top.indices,
-        sampler_topk_logprobs=top.values, info={"correct": [False] * rows},
+        sampler_topk_logprobs=top.values, correct=(False,) * rows,
     )
 
 

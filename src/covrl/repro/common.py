@@ -85,18 +85,13 @@ def _short(x: Any) -> str:
 
 
 def next_scored_batch(run):
-    """The next step's batch of a prepared run (covrl.train.run.prepare_run), as the sync loop makes it: the next
-    prompts of the stream, `loop.group_size` completions each from the run's sampler and generator, scored.
-    Returns (batch, examples). The sampler's tensors are made under inference mode; they are cloned into normal
-    tensors so that the trainer's autograd can use them."""
+    """The next step's batch of a prepared run (covrl.train.run.prepare_run), as the sync loop makes it
+    (`covrl.train.sources.SyncSource`): the next prompts of the stream, `loop.group_size` completions each from
+    the run's sampler and generator, scored. Returns (batch, examples). The sampler's tensors are made under
+    inference mode; they are cloned into normal tensors so that the trainer's autograd can use them."""
     from dataclasses import replace
 
-    from covrl.train.loop import score_rollouts
+    from covrl.train.sources import SyncSource
 
-    cfg = run.cfg
-    examples, positions = run.stream.take(cfg.loop.prompts_per_step)
-    prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
-    batch = run.sampler.generate(prompts, cfg.loop.group_size, generator=run.generator,
-                                 policy_version=run.trainer.version)
-    score_rollouts(run.task, run.tokenizer, batch, examples, cfg.loop.group_size, positions)
-    return replace(batch, **{k: v.clone() for k, v in batch.tensor_fields().items()}), examples
+    sb = SyncSource(run).next_batch(run.trainer.version)
+    return replace(sb.batch, **{k: v.clone() for k, v in sb.batch.tensor_fields().items()}), list(sb.examples)

@@ -10,7 +10,7 @@ from covrl.rollout.sampler import (
     sample_from_logprobs,
 )
 from covrl.rollout.text import decode_responses
-from covrl.rollout.types import RolloutBatch
+from covrl.rollout.types import RolloutBatch, RolloutTiming, ScoredBatch, concat_batches
 
-__all__ = ["SAMPLER_BACKENDS", "HFSampler", "RolloutBatch", "Sampler", "SamplerConfig", "build_sampler",
+__all__ = ["SAMPLER_BACKENDS", "HFSampler", "RolloutBatch", "RolloutTiming", "Sampler", "ScoredBatch", "concat_batches", "SamplerConfig", "build_sampler",
            "decode_responses", "filtered_logprobs", "sample_from_logprobs"]

@@ -32,7 +32,7 @@ import torch
 from pydantic import BaseModel, ConfigDict, Field
 
 from covrl.models.loading import lora_merge_plan, merge_lora_state_dict
-from covrl.rollout.types import RolloutBatch
+from covrl.rollout.types import RolloutBatch, RolloutTiming
 from covrl.tasks.task import PromptTooLongError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -227,13 +227,8 @@ class HFSampler:
             if was_training:
                 model.train()
         elapsed = time.perf_counter() - t0
-        batch = self._assemble(rows, pieces, n, version)
-        tokens = batch.num_response_tokens
-        batch.info.update({"generate_s": elapsed, "prefill_s": sum(p["prefill_s"] for p in pieces),
-                           "tokens_per_s": tokens / max(elapsed, 1e-9), "num_response_tokens": tokens,
-                           "sampler_dtype": str(self.dtype).replace("torch.", ""),
-                           "shares_weights": self.shares_weights, "greedy": greedy})
-        return batch
+        timing = RolloutTiming(generate_s=elapsed, prefill_s=sum(p["prefill_s"] for p in pieces))
+        return self._assemble(rows, pieces, n, version, timing)
 
     def _generate_chunk(self, rows: list[list[int]], generator: torch.Generator, greedy: bool) -> dict:
         cfg = self.cfg
@@ -300,7 +295,7 @@ class HFSampler:
             piece["topk_ids"], piece["topk_lp"] = out_topk_ids.cpu(), out_topk_lp.cpu()
         return piece
 
-    def _assemble(self, rows, pieces, n, version) -> RolloutBatch:
+    def _assemble(self, rows, pieces, n, version, timing: RolloutTiming) -> RolloutBatch:
         B = len(rows)
         P = max(len(r) for r in rows)
         T = max(int(p["length"].max()) for p in pieces)
@@ -324,7 +319,7 @@ class HFSampler:
             group_ids=torch.arange(len(rows) // n).repeat_interleave(n),
             policy_version=torch.full((B,), version, dtype=torch.long),
             sampler_topk_ids=topk_ids, sampler_topk_logprobs=topk_lp,
-            info={"response_lengths": length.tolist()},
+            timing=timing,
         )
 
 

@@ -1,87 +1,82 @@
-"""The synchronous loop: prompts -> sampler.generate -> task.score -> trainer.step -> weight sync, with
-evaluation and checkpoints on the data clock.
+"""The one loop driver, for every mode: rollout source → Trainer.step → weights to the sampler → record →
+evaluation and checkpoints on the data clock → end of run.
 
-Everything except the orchestration lives elsewhere and is shared with other loops: `Run` (run folder,
-sinks, eval, checkpoints; covrl.train.run), `Trainer` (covrl.train.trainer), `DataStream`
-(covrl.train.data), `score_rollouts` (below)."""
+    while step < loop.steps:
+        batch = source.next_batch(version)        # sync: generate now; async: the queue (covrl.train.sources)
+        result = trainer.step(batch)              # one optimizer step (covrl.train.trainer)
+        source.publish(model) every sync_every    # the sampler's weights
+        run.log(record); eval / checkpoint when the data clock crosses their period
+
+Everything else lives elsewhere: `Run` (run folder, sinks, eval, checkpoints; covrl.train.run), the sources
+(covrl.train.sources: `SyncSource`; covrl.train.async_loop: the staleness-managed pools), `Trainer`."""
 
 from __future__ import annotations
 
 import time
 from typing import Any
 
-import torch
-
-from covrl.rollout.types import RolloutBatch
-from covrl.train.evaluate import decode_responses
-from covrl.train.faults import fault_point
+from covrl.rollout.types import ScoredBatch
+from covrl.train.results import StepResult
 from covrl.train.run import Run
+from covrl.train.sources import RolloutSource, SourceBatch, SyncSource, score_rollouts
 from covrl.train.trainer import TrainingDivergedError
 
-
-def score_rollouts(task, tokenizer, batch: RolloutBatch, examples: list, n: int,
-                   positions: list[int] | None = None) -> dict[str, float]:
-    """Decode, score and attach rewards to `batch` in place: rewards [B], info['correct'], info['texts'],
-    prompt_index (stream positions, when given). `examples` are the prompts of the call (n rows each)."""
-    texts = decode_responses(tokenizer, batch)
-    row_examples = [ex for ex in examples for _ in range(n)]
-    scored = task.score(texts, row_examples)
-    batch.rewards = torch.tensor(scored.rewards, dtype=torch.float32)
-    batch.info["correct"] = list(scored.correct)
-    batch.info["texts"] = texts
-    if positions is not None:
-        batch.prompt_index = torch.tensor(positions, dtype=torch.long).repeat_interleave(n)
-    return {f"task/{k.split('/', 1)[-1]}": float(v) for k, v in scored.metrics.items()
-            if k not in ("reward/mean", "reward/accuracy")}
+__all__ = ["run_loop", "score_rollouts", "step_record", "train_sync"]
 
 
-def train_sync(run: Run, *, stop_after: int | None = None) -> dict[str, Any]:
-    """Run the sync loop until `loop.steps` steps are done (or `stop_after` more steps: an interruption
-    point for tests). Evaluates before (fresh runs) and after; checkpoints every `checkpoint.every_rollouts`
-    and at the end. Returns the summary."""
-    cfg = run.cfg
+def step_record(run: Run, batch: ScoredBatch, result: StepResult, *, step_s: float, sync_s: float) -> dict[str, Any]:
+    """The per-step line of metrics.jsonl: the trainer's metrics, the task's, timings and the data clock."""
+    trainer = run.trainer
+    generate_s = batch.timing.generate_s
+    tokens = float(batch.num_response_tokens)
+    record: dict[str, Any] = {"step": run.step, **result.metrics, **batch.task_metrics}
+    record.update({
+        "time/generate": generate_s, "time/score": batch.timing.score_s, "time/sync": sync_s, "time/step": step_s,
+        "tokens_per_s": tokens / max(step_s, 1e-9),
+        "generate_tokens_per_s": tokens / max(generate_s, 1e-9),
+        "epoch": run.stream.epoch, "policy_version": float(trainer.version),
+        "staleness": float(trainer.version - 1 - batch.policy_version.float().mean())
+        if result.metrics.get("skipped") == 0.0 else 0.0,
+    })
+    return record
+
+
+def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) -> dict[str, Any]:
+    """Train until `loop.steps` steps are done (or `stop_after` more steps: an interruption point for tests),
+    with rollouts from `source`. Evaluates before (fresh runs) and after; checkpoints every
+    `checkpoint.every_rollouts` and at the end. Returns the summary."""
+    cfg, trainer = run.cfg, run.trainer
     lcfg = cfg.loop
-    trainer, sampler = run.trainer, run.sampler
     if run.step == 0 and not run.evals and cfg.eval.before:
-        run.run_eval("before")
+        source.evaluate("before")
     done_now = 0
     try:
+        source.start()
         while run.step < lcfg.steps and (stop_after is None or done_now < stop_after):
             t_step = time.perf_counter()
-            examples, positions = run.stream.take(lcfg.prompts_per_step)
-            prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
-            t0 = time.perf_counter()
-            batch = sampler.generate(prompts, lcfg.group_size, generator=run.generator,
-                                     policy_version=trainer.version)
-            fault_point("generate")  # reliability tests: COVRL_FAULT (no-op otherwise)
-            t_gen = time.perf_counter() - t0
-            t0 = time.perf_counter()
-            task_metrics = score_rollouts(run.task, run.tokenizer, batch, examples, lcfg.group_size, positions)
-            t_score = time.perf_counter() - t0
-            metrics = trainer.step(batch)
+            sb: SourceBatch = source.next_batch(trainer.version)
+            result = trainer.step(sb.batch)
+            source.step_done(result)
             run.step += 1
             done_now += 1
             t0 = time.perf_counter()
             if run.step % cfg.sampler.sync_every == 0 or run.step == lcfg.steps:
-                sampler.load_weights(run.model, trainer.version)
-            t_sync = time.perf_counter() - t0
-            step_s = time.perf_counter() - t_step
-            record: dict[str, Any] = {"step": run.step, **metrics, **task_metrics}
-            record.update({
-                "time/generate": t_gen, "time/score": t_score, "time/sync": t_sync, "time/step": step_s,
-                "tokens_per_s": float(batch.num_response_tokens) / max(step_s, 1e-9),
-                "generate_tokens_per_s": float(batch.num_response_tokens) / max(t_gen, 1e-9),
-                "epoch": run.stream.epoch, "policy_version": float(trainer.version),
-                "staleness": float(trainer.version - 1 - batch.policy_version.float().mean()) if metrics.get(
-                    "skipped") == 0.0 else 0.0,
-            })
-            if trainer.last_skip_reason:
-                record["skip_reason"] = trainer.last_skip_reason
-                run.message(f"step {run.step}: skipped ({trainer.last_skip_reason})")
+                source.publish(run.model, trainer.version)
+            sync_s = time.perf_counter() - t0
+            record = step_record(run, sb.batch, result, step_s=time.perf_counter() - t_step, sync_s=sync_s)
+            record.update(sb.metrics)
+            record.update(source.step_metrics(result))
+            if result.skip_reason:
+                record["skip_reason"] = result.skip_reason
+                run.message(f"step {run.step}: skipped ({result.skip_reason})")
             run.log(record)
-            run.maybe_evaluate()
+            every = cfg.eval.every_rollouts
+            if every and trainer.rollouts // every > run.last_eval_rollouts // every:
+                source.evaluate(f"rollouts-{trainer.rollouts}")
+            run.last_eval_rollouts = trainer.rollouts
             run.maybe_checkpoint()
     except TrainingDivergedError as err:
+        source.stop()
         # the step that raised consumed its rollouts and was skipped like the ones before it: log it too
         run.step += 1
         run.log({"step": run.step, **err.metrics, "skip_reason": trainer.last_skip_reason})
@@ -90,16 +85,38 @@ def train_sync(run: Run, *, stop_after: int | None = None) -> dict[str, Any]:
         run.finish()
         raise
     except KeyboardInterrupt:
+        source.stop()
         run.status = "interrupted"
         run.finish()
         raise
-    finished = run.step >= lcfg.steps
-    if finished:
+    except BaseException:
+        source.stop()
+        if source.failure() is not None:    # a dead background producer: record it in summary.json
+            _record_failure(run, source.failure())
+        raise
+    source.stop()
+    if (failure := source.failure()) is not None:
+        _record_failure(run, failure)
+        raise failure
+    if run.step >= lcfg.steps:
         if cfg.eval.after:
-            run.run_eval("after")
+            source.evaluate("after")
         run.status = "completed"
     else:
         run.status = "stopped"
-    if cfg.checkpoint.at_end and run.trainer.rollouts != run.last_ckpt_rollouts:
+    if cfg.checkpoint.at_end and trainer.rollouts != run.last_ckpt_rollouts:
         run.save_checkpoint()
-    return run.finish()
+    summary = run.finish()
+    summary.update(source.summary())
+    return summary
+
+
+def _record_failure(run: Run, failure: BaseException) -> None:
+    run.status = "failed"
+    run.message(f"training stopped: {failure}")
+    run.finish()
+
+
+def train_sync(run: Run, *, stop_after: int | None = None) -> dict[str, Any]:
+    """The synchronous loop: generate with the run's sampler, then train on it (`run_loop` + `SyncSource`)."""
+    return run_loop(run, SyncSource(run), stop_after=stop_after)

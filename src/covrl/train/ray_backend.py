@@ -20,7 +20,10 @@ from typing import Any
 import torch
 
 from covrl._lazy import require
-from covrl.train.async_loop import AsyncState, prepare_async_run, train_async
+from covrl.train.async_loop import prepare_async_run, train_async
+from covrl.train.async_pools import AsyncState
+from covrl.train.config import TrainConfig
+from covrl.train.runner import print_err, run_training
 from covrl.train.worker_pool import DispatchPool, SamplerWorker
 
 __all__ = ["RayPool", "SamplerActor", "TrainerActor", "ensure_ray", "start_sampler_actors", "train_from_config_ray",
@@ -141,17 +144,13 @@ class TrainerActor:
     the run folder on its node and creates the sampler actors."""
 
     def __init__(self, cfg_dict: dict, config_path: str | None, resume: bool):
-        from covrl.train.config import TrainConfig
-
         self.cfg = TrainConfig.model_validate(cfg_dict)
         self.config_path = config_path
         self.resume = resume
 
     def train(self) -> int:
-        """The whole trainer side (covrl.train.cli.run_training): run folder, training, final summary; returns
+        """The whole trainer side (covrl.train.runner.run_training): run folder, training, final summary; returns
         `covrl train`'s exit code."""
-        from covrl.train.cli import run_training
-
         if self.cfg.run.num_threads:
             torch.set_num_threads(self.cfg.run.num_threads)
         return run_training(self.cfg, prepare_async_run, train_ray, config_path=self.config_path,
@@ -159,15 +158,13 @@ class TrainerActor:
 
 
 def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int:
-    """`covrl train` with loop.mode=ray: join or start Ray, then the trainer side (covrl.train.cli.run_training,
+    """`covrl train` with loop.mode=ray: join or start Ray, then the trainer side (covrl.train.runner.run_training,
     with the same exit codes and final summary.json statuses as the local loops) in this process or, with
     async_loop.trainer_actor, in an actor placed by Ray."""
-    from covrl.train.cli import _print_err, run_training
-
     try:
         ray = _ray()
     except ImportError as err:
-        _print_err(str(err))
+        print_err(str(err))
         return 2
     acfg = cfg.async_loop
     started = ensure_ray(acfg)
@@ -178,7 +175,7 @@ def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int
             return ray.get(actor.train.remote())
         return run_training(cfg, prepare_async_run, train_ray, config_path=config_path, resume=resume)
     except KeyboardInterrupt:   # while waiting for the trainer actor (which writes its own summary)
-        _print_err("interrupted; resume with: covrl train --resume --name NAME")
+        print_err("interrupted; resume with: covrl train --resume --name NAME")
         return 130
     finally:
         if started:

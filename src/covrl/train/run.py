@@ -100,8 +100,8 @@ def choose_run_dir(cfg: TrainConfig, *, config_path: str | Path | None, resume: 
 
 @dataclass
 class Run:
-    """A prepared run: components plus the run folder's bookkeeping. Loops call `log`, `maybe_evaluate`,
-    `maybe_checkpoint` and read/advance `step`; they own nothing else."""
+    """A prepared run: components plus the run folder's bookkeeping. The loop driver calls `log`, `run_eval`,
+    `maybe_checkpoint` and reads/advances `step`; stateful parts `register` with its checkpointer."""
 
     cfg: TrainConfig
     run_dir: Path
@@ -129,6 +129,20 @@ class Run:
     exit_code: int | None = None
     resume_skipped: list = field(default_factory=list)   # newer checkpoints --resume could not load
     started_fresh: bool = False        # --resume found no complete checkpoint and started from scratch
+    # the checkpointer: name -> part with state_dict()/load_state_dict(), saved in registration order
+    stateful: dict[str, Any] = field(default_factory=dict)
+    pending_state: dict[str, Any] = field(default_factory=dict)   # resumed state no part has claimed yet
+    resumed_sampler_version: int | None = None
+
+    # ------------------------------------------------------------------------------- checkpointer
+    def register(self, name: str, part: Any) -> None:
+        """Save `part` (state_dict/load_state_dict) with every checkpoint under `name`; on a resumed run it is
+        restored at once from the checkpoint's entry of that name, when there is one."""
+        if name in self.stateful:
+            raise ValueError(f"a checkpointed part named {name!r} is already registered")
+        self.stateful[name] = part
+        if name in self.pending_state:
+            part.load_state_dict(self.pending_state.pop(name))
 
     # ------------------------------------------------------------------------------------ sinks
     def log(self, record: dict[str, Any]) -> None:
@@ -164,19 +178,9 @@ class Run:
         self.message("  ".join(parts))
         return result
 
-    def maybe_evaluate(self) -> None:
-        every = self.cfg.eval.every_rollouts
-        if every and self.trainer.rollouts // every > self.last_eval_rollouts // every:
-            self.run_eval(f"rollouts-{self.trainer.rollouts}")
-        self.last_eval_rollouts = self.trainer.rollouts
-
     # ---------------------------------------------------------------------------- checkpoints
     def checkpoint_state(self) -> dict[str, Any]:
-        return {"format": STATE_FORMAT, "trainer": self.trainer.state_dict(), "stream": self.stream.state_dict(),
-                "rng": ckpt.capture_rng(self.generator),
-                "loop": {"step": self.step, "metrics_lines": self.metrics_lines,
-                         "sampler_version": int(getattr(self.sampler, "version", self.trainer.version)),
-                         "last_eval_rollouts": self.last_eval_rollouts}}
+        return {"format": STATE_FORMAT, **{name: part.state_dict() for name, part in self.stateful.items()}}
 
     def save_checkpoint(self) -> Path:
         t0 = time.perf_counter()
@@ -266,6 +270,39 @@ class Run:
             except Exception:  # a sink that fails to close must not hide the run's result
                 pass
         self.sinks = []
+
+
+class _GeneratorState:
+    """The checkpointed RNG: python, numpy, torch's global generators and the sampler's generator."""
+
+    def __init__(self, generator: torch.Generator):
+        self.generator = generator
+
+    def state_dict(self) -> dict[str, Any]:
+        return ckpt.capture_rng(self.generator)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ckpt.restore_rng(state, self.generator)
+
+
+class _LoopCounters:
+    """The run's position: steps done, metrics lines written, the sampler's weights version, last eval."""
+
+    def __init__(self, run: Run):
+        self.run = run
+
+    def state_dict(self) -> dict[str, Any]:
+        run = self.run
+        return {"step": run.step, "metrics_lines": run.metrics_lines,
+                "sampler_version": int(getattr(run.sampler, "version", run.trainer.version)),
+                "last_eval_rollouts": run.last_eval_rollouts}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        run = self.run
+        run.step = int(state["step"])
+        run.metrics_lines = int(state["metrics_lines"])
+        run.last_eval_rollouts = int(state.get("last_eval_rollouts", run.trainer.rollouts))
+        run.resumed_sampler_version = int(state.get("sampler_version", run.trainer.version))
 
 
 def mark_summary(run_dir: Path, status: str, *, reason: str | None = None, exit_code: int | None = None) -> None:
@@ -413,22 +450,21 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
         run.add_time("sft", sft_metrics.get("sft/seconds", 0.0))
 
     if latest is not None:
-        trainer.load_state_dict(state["trainer"])
-        stream.load_state_dict(state["stream"])
-        ckpt.restore_rng(state["rng"], generator)
-        loop = state["loop"]
-        run.step = int(loop["step"])
-        run.metrics_lines = int(loop["metrics_lines"])
-        run.last_eval_rollouts = int(loop.get("last_eval_rollouts", trainer.rollouts))
-        run.last_ckpt_rollouts = trainer.rollouts
+        run.pending_state = {k: v for k, v in state.items() if k != "format"}
         run.resumed_from = str(latest)
+    # the checkpointer's parts (a resumed run restores each from the checkpoint as it registers)
+    run.register("trainer", trainer)
+    run.register("stream", stream)
+    run.register("rng", _GeneratorState(generator))
+    run.register("loop", _LoopCounters(run))
+    if latest is not None:
+        run.last_ckpt_rollouts = trainer.rollouts
         truncate_jsonl(run_dir / "metrics.jsonl", run.metrics_lines)
         prior = json.loads((run_dir / "eval.json").read_text()).get("evals", []) \
             if (run_dir / "eval.json").is_file() else []
         run.evals = [e for e in prior if e.get("rollouts", 0) <= trainer.rollouts and e.get("label") != "after"]
-        sampler.load_weights(model, int(loop.get("sampler_version", trainer.version)))
-    else:
-        sampler.load_weights(model, trainer.version)
+    sampler.load_weights(model, trainer.version if run.resumed_sampler_version is None
+                         else run.resumed_sampler_version)
 
     run.sinks = _build_sinks(cfg, run_dir, run.step, console)
     run.add_time("setup", time.perf_counter() - t_setup)

@@ -42,13 +42,9 @@ class Chunk:
     ticket: int
     size: int
     version: int
-    meta: dict = field(default_factory=dict)   # e.g. chunk index, sampler id, RNG state before generating
+    meta: dict = field(default_factory=dict)   # e.g. sampler id, RNG state before generating
     payload: Any = None                        # the scored RolloutBatch once complete
     done: bool = False
-
-    @property
-    def index(self) -> int:
-        return int(self.meta.get("chunk_index", -1))
 
 
 @dataclass
@@ -133,9 +129,6 @@ class StalenessManager:
     def batch_skipped(self) -> None:
         """The last batch taken was not applied (the trainer skipped its update): see `capacity`."""
         self.skipped_batches += 1
-
-    def has_restart(self) -> bool:
-        return bool(self._restart)
 
     def try_start(self, size: int, sampler_version: int, meta: dict | None = None) -> Chunk | None:
         """Admit a chunk of `size` rollouts generated with weights `sampler_version`, or return None.

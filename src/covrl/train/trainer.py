@@ -41,11 +41,12 @@ from covrl.math import (
     sum_pi_squared,
     token_logprobs,
 )
-from covrl.rollout.types import RolloutBatch
+from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.batch_scaling import scaled_lr
 from covrl.train.config import TrainConfig
 from covrl.train.faults import fault_point
 from covrl.train.lr_surge import LengthSurgeSchedule
+from covrl.train.results import StepResult
 from covrl.train.schedule import lr_factor
 
 # Losses whose ratio is taken against the sampler's log-probs: by the pairing rule of RESEARCH §6 they get no
@@ -249,11 +250,16 @@ class Trainer:
         return scaled_lr(o.lr, self.cfg.loop.rollouts_per_step, self.cfg.batch_scaling) * f * self.surge.scale
 
     # --------------------------------------------------------------------------------------------- step
-    def step(self, batch: RolloutBatch) -> dict[str, float]:
-        """One optimizer step on a scored batch (rewards set). Returns flat float metrics; `skipped` = 1 when
-        the update was not applied (reason in `last_skip_reason`)."""
-        if batch.rewards is None:
-            raise ValueError("batch.rewards is None: score the rollouts (task.score) before Trainer.step")
+    def step(self, batch: ScoredBatch) -> StepResult:
+        """One optimizer step on a scored batch. The result's metrics are flat floats; `skipped` = 1 when
+        the update was not applied (reason in `skip_reason`, also `last_skip_reason`)."""
+        if not isinstance(batch, ScoredBatch):
+            raise ValueError("Trainer.step needs a ScoredBatch (batch.rewards is None): score the rollouts "
+                             "(task.score) before Trainer.step")
+        metrics = self._step(batch)
+        return StepResult(metrics, skip_reason=self.last_skip_reason, version=self.version, rollouts=self.rollouts)
+
+    def _step(self, batch: ScoredBatch) -> dict[str, float]:
         t_start = time.perf_counter()
         cfg = self.cfg
         device = self.params[0].device
@@ -522,9 +528,9 @@ class Trainer:
         self.bad_steps = int(state["bad_steps"])
 
 
-def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
+def batch_metrics(batch: ScoredBatch) -> dict[str, float]:
     """Reward, accuracy, pass@n, response length and zero-variance-group statistics of a scored batch.
-    Accuracy and pass@n need `batch.info["correct"]` (per row, from `task.score`)."""
+    Accuracy and pass@n need `batch.correct` (per row, from `task.score`)."""
     mask = batch.response_mask.float()
     lengths = mask.sum(1)
     rewards = batch.rewards.float()
@@ -546,7 +552,7 @@ def batch_metrics(batch: RolloutBatch) -> dict[str, float]:
         gmin = torch.full((n_groups,), math.inf, device=seq_rewards.device).scatter_reduce(
             0, inverse, seq_rewards, "amin")
         m["zero_variance_groups"] = float((gmax == gmin).float().mean())
-    correct = batch.info.get("correct") if isinstance(batch.info, dict) else None
+    correct = batch.correct
     if correct is not None and len(correct) == len(batch) and len(batch):
         c = torch.tensor([float(bool(x)) for x in correct], device=seq_rewards.device)
         m["accuracy"] = float(c.mean())

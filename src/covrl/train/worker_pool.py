@@ -22,16 +22,18 @@ from typing import Any
 
 import torch
 
-from covrl.train.async_loop import (
-    AsyncState,
-    SamplerWorkerError,
-    build_async_sampler,
-    clone_weights,
-    floor_probe,
-    generate_chunk,
-)
+from covrl.models import load_model
+from covrl.rollout import build_sampler
+from covrl.tasks import build_task
+from covrl.train.async_pools import AsyncState, SamplerWorkerError, clone_weights, floor_probe, generate_chunk
+from covrl.train.config import TrainConfig
 
-__all__ = ["DispatchPool", "ProcessPool", "SamplerWorker", "sampler_seed"]
+__all__ = ["DispatchPool", "ProcessPool", "SamplerWorker", "own_weights", "sampler_seed"]
+
+
+def own_weights(sampler_cfg):
+    """The sampler config with its own copy of the weights: async samplers must not share the trainer's."""
+    return sampler_cfg.model_copy(update={"share_weights": "never"})
 
 
 def sampler_seed(seed: int, rank: int, epoch: int = 0) -> int:
@@ -44,10 +46,6 @@ class SamplerWorker:
     """One generation worker (a Ray actor or a local process)."""
 
     def __init__(self, cfg_dict: dict, rank: int):
-        from covrl.models import load_model
-        from covrl.tasks import build_task
-        from covrl.train.config import TrainConfig
-
         cfg = TrainConfig.model_validate(cfg_dict)
         acfg = cfg.async_loop
         torch.set_num_threads(acfg.sampler_threads or max(1, int(acfg.sampler_cpus)))
@@ -58,7 +56,7 @@ class SamplerWorker:
             model.to("cuda")
         self.tokenizer = tokenizer
         self.task = build_task(cfg.task)
-        self.sampler = build_async_sampler(cfg.sampler, model, tokenizer)
+        self.sampler = build_sampler(own_weights(cfg.sampler), model, tokenizer)
         self.sampler.version = -1
         self._reference = None
         self.generator = torch.Generator()
@@ -75,17 +73,14 @@ class SamplerWorker:
         if weights is not None and version != self.sampler.version:
             self.sampler.load_weights(weights, version)
         self.generator.set_state(rng_state)
-        batch, task_metrics = generate_chunk(self.sampler, self.task, self.tokenizer, examples, positions,
-                                             self.cfg.loop.group_size, self.generator, version)
+        batch = generate_chunk(self.sampler, self.task, self.tokenizer, examples, positions,
+                               self.cfg.loop.group_size, self.generator, version)
         floor = None
         if probe and weights is not None:
             if self._reference is None:      # the trainer's dtype, for the engine-floor probe
-                from covrl.models import load_model
-
                 self._reference = load_model(self.cfg.model, seed=self.cfg.run.seed)[0].eval()
             self._reference.load_state_dict(weights, strict=True)
             floor = floor_probe(self._reference, batch, float(self.cfg.sampler.temperature))
-        batch.info["task_metrics"] = task_metrics
         return {"batch": batch, "rng_after": self.generator.get_state(), "busy_s": time.perf_counter() - t0,
                 "floor": floor, "pid": os.getpid()}
 
@@ -152,10 +147,13 @@ class DispatchPool:
         self.idle_since[rank] = time.perf_counter()
 
     # -- checkpoint of the workers' RNG positions --------------------------------------------------------------
-    def extra_state(self) -> dict[str, Any]:
+    def state_dict(self) -> dict[str, Any]:
         return {"worker_rng": list(self.worker_rng), "rng_epoch": list(self.rng_epoch)}
 
-    def load_extra_state(self, saved: dict[str, Any] | None) -> None:
+    def sync_probe(self, model) -> None:
+        pass   # workers get the weights with every probe chunk
+
+    def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         if saved:
             rngs = saved.get("worker_rng", saved.get("actor_rng", []))
             for r, s in enumerate(rngs[: len(self.worker_rng)]):
