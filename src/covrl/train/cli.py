@@ -28,7 +28,7 @@ def _print_err(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from covrl.config import ConfigError, load_config
+    from covrl.train.config import ConfigError, load_config
 
     overrides = list(args.overrides)
     config_path = args.config
