@@ -11,9 +11,8 @@ import functools
 import operator
 import re
 import types
-import typing
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
@@ -228,15 +227,15 @@ def dump_config(cfg: BaseModel) -> str:
 
 def _plain(annotation: Any) -> Any:
     """`annotation` without `Annotated[...]` metadata (e.g. a per-field AllowInfNan), for the reference table."""
-    origin, args = typing.get_origin(annotation), typing.get_args(annotation)
-    if origin is typing.Annotated:
+    origin, args = get_origin(annotation), get_args(annotation)
+    if origin is Annotated:
         return _plain(args[0])
-    if not args or origin is typing.Literal:
+    if not args or origin is Literal:
         return annotation
     plain = tuple(_plain(a) for a in args)
     if plain == args:
         return annotation
-    if origin in (typing.Union, types.UnionType):
+    if origin in (Union, types.UnionType):  # typing.Union: X | Annotated[...]
         return functools.reduce(operator.or_, plain)
     return origin[plain]
 
