@@ -8,5 +8,7 @@ test: setup
 	.venv/bin/python -m pytest
 test-slow: setup
 	.venv/bin/python -m pytest -m slow
+# ruff, then the import contracts of pyproject.toml ([tool.importlinter]: layers, no cycles)
 lint: setup
-	.venv/bin/ruff check src tests
+	.venv/bin/ruff check src tests scripts
+	.venv/bin/lint-imports --no-cache

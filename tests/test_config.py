@@ -3,11 +3,26 @@ and the allowed keys/values."""
 
 from __future__ import annotations
 
+import typing
 from pathlib import Path
 
 import pytest
+from pydantic import BaseModel, ValidationError
 
-from covrl.config import ConfigError, dump_config, load_config, parse_overrides
+import covrl.config as public
+from covrl import settings
+from covrl.config import (
+    ConfigError,
+    TrainConfig,
+    apply_overrides,
+    config_reference,
+    dump_config,
+    load_config,
+    parse_overrides,
+)
+from covrl.explore.config import BanditConfig
+from covrl.math import CorrectionConfig
+from covrl.settings import SECTION_POLICY, Section
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
 
@@ -91,3 +106,75 @@ def test_resolved_config_round_trips(tmp_path):
 def test_shipped_configs_validate(name):
     cfg = load_config(CONFIGS / name)
     assert cfg.algorithm.advantage == "otb" and cfg.algorithm.loss == "covariance"
+
+
+def _sections(cls: type[BaseModel], seen: dict | None = None) -> dict[str, type[BaseModel]]:
+    """Every pydantic model class reachable from `cls` through its fields (unions and lists included)."""
+    seen = {} if seen is None else seen
+    seen[cls.__qualname__] = cls
+    for field in cls.model_fields.values():
+        stack = [field.annotation]
+        while stack:
+            ann = stack.pop()
+            if isinstance(ann, type) and issubclass(ann, BaseModel):
+                if ann.__qualname__ not in seen:
+                    _sections(ann, seen)
+            else:
+                stack.extend(typing.get_args(ann))
+    return seen
+
+
+def test_every_section_has_the_one_policy():
+    sections = _sections(TrainConfig) | {"BanditConfig": BanditConfig}
+    assert {"RunConfig", "ModelConfig", "TinyModelConfig", "LoraConfig", "TaskConfig", "ArithmeticConfig",
+            "LettersConfig", "SamplerConfig", "CorrectionConfig", "AsyncLoopConfig", "BatchScalingConfig",
+            "LengthSurgeConfig", "OptimConfig"} <= set(sections)
+    policy = {k: SECTION_POLICY[k] for k in ("extra", "validate_assignment", "allow_inf_nan")}
+    assert policy == {"extra": "forbid", "validate_assignment": True, "allow_inf_nan": False}
+    for name, cls in sections.items():
+        assert name.endswith("Config"), f"{name}: section classes are called XConfig"
+        assert {k: cls.model_config.get(k) for k in policy} == policy, name
+        # covrl.math imports nothing from covrl, so CorrectionConfig repeats the policy instead of inheriting it
+        assert issubclass(cls, Section) or cls is CorrectionConfig, f"{name} does not derive from Section"
+
+
+def test_assignment_is_validated_like_a_file_value():
+    cfg = load_config(None)
+    for section, key in (("optim", "lr"), ("task", "n_eval"), ("sampler", "temperature")):
+        with pytest.raises(ValidationError, match=key):
+            setattr(getattr(cfg, section), key, -1)
+    with pytest.raises(ValidationError, match="finite"):
+        cfg.kl.coef = float("inf")
+    cfg.sampler.temperature = 0.5  # a valid assignment still works
+    assert cfg.sampler.temperature == 0.5
+
+
+def test_inf_is_a_setting_only_where_it_means_something():
+    cfg = load_config(None, ["correction.is_threshold=.inf", "lr_surge.ratio=.inf"])
+    assert cfg.correction.is_threshold == float("inf") and cfg.lr_surge.ratio == float("inf")
+    for key in ("correction.is_threshold", "lr_surge.ratio"):
+        with pytest.raises(ConfigError, match=key):
+            load_config(None, [f"{key}=.nan"])
+    with pytest.raises(ConfigError, match="sampler.max_new_tokens"):
+        load_config(None, ["sampler.max_new_tokens=.inf"])
+
+
+def test_vllm_backend_fails_at_start_up_with_the_allowed_backends():
+    with pytest.raises(ConfigError, match=r"override 'sampler.backend=vllm': sampler.backend: unknown sampler "
+                                          r"backend 'vllm'; allowed: hf \(vLLM support is not available yet"):
+        load_config(None, ["sampler.backend=vllm"])
+
+
+def test_public_names_and_the_low_package():
+    for name in ("load_config", "ConfigError", "TrainConfig", "apply_overrides", "dump_config", "parse_overrides"):
+        assert hasattr(public, name), name
+    assert public.ConfigError is settings.ConfigError and public.TrainConfig is TrainConfig
+    data, sources = apply_overrides({}, ["optim.lr=2e-5"])
+    assert data == {"optim": {"lr": 2e-5}} and sources == {("optim", "lr"): "optim.lr=2e-5"}
+    # the generic loader takes any root model
+    assert settings.load_section(TrainConfig, None, ["run.seed=3"]) == load_config(None, ["run.seed=3"])
+
+
+def test_docs_configuration_is_the_generated_reference():
+    text = (Path(__file__).resolve().parents[1] / "docs" / "configuration.md").read_text()
+    assert text[text.index("| key | type | default | description |"):] == config_reference()

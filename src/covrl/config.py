@@ -2,250 +2,35 @@
 
 Every error names the field, the file and line (or the override) and, where it applies, the allowed keys or
 values, e.g. ``configs/x.yaml:12: optim.lrr: unknown key; allowed keys: betas, eps, lr, ...``.
-The sections themselves are defined by the layers that use them (see `covrl.train.config`)."""
+
+The machinery is `covrl.settings` (generic in the root model, importable from every layer); the sections are
+defined by the layers that use them and composed in `covrl.train.config`. This module sits above `covrl.train`
+and is the stable public entry point; code inside covrl's layers imports `covrl.settings` /
+`covrl.train.config` instead.  `python -m covrl.config` prints the reference table of docs/configuration.md."""
 
 from __future__ import annotations
 
-import re
-from pathlib import Path
-from typing import Any
-
-import yaml
 from pydantic import BaseModel, ValidationError
 
-from covrl.train.config import TrainConfig
+from covrl.settings import ConfigError, apply_overrides, dump_config, parse_overrides, read_yaml
+from covrl.settings import config_reference as _config_reference
+from covrl.settings import format_validation_error as _format_validation_error
+from covrl.train.config import TrainConfig, build_config, load_config
 
-__all__ = ["ConfigError", "TrainConfig", "apply_overrides", "dump_config", "load_config", "parse_overrides"]
-
-
-class ConfigError(ValueError):
-    """A config file, an override or a value that cannot be used; the message says where and why."""
-
-
-class _Loader(yaml.SafeLoader):
-    """SafeLoader that reads `1e-5` as a float (YAML 1.1 needs `1.0e-5`) and rejects duplicate keys."""
-
-
-_Loader.add_implicit_resolver(
-    "tag:yaml.org,2002:float",
-    re.compile(r"""^(?:[-+]?(?:[0-9][0-9_]*)\.[0-9_]*(?:[eE][-+]?[0-9]+)?
-                  |[-+]?(?:[0-9][0-9_]*)(?:[eE][-+]?[0-9]+)
-                  |\.[0-9_]+(?:[eE][-+]?[0-9]+)?
-                  |[-+]?\.(?:inf|Inf|INF)
-                  |\.(?:nan|NaN|NAN))$""", re.X),
-    list("-+0123456789."),
-)
-
-
-def _construct_mapping(loader: _Loader, node: yaml.MappingNode, deep: bool = False) -> dict:
-    seen: dict[Any, int] = {}
-    for key_node, _ in node.value:
-        key = loader.construct_object(key_node, deep=deep)
-        if key in seen:
-            raise yaml.constructor.ConstructorError(
-                None, None, f"duplicate key {key!r} (first at line {seen[key] + 1})", key_node.start_mark)
-        seen[key] = key_node.start_mark.line
-    return loader.construct_mapping(node, deep=deep)
-
-
-_Loader.add_constructor(yaml.resolver.BaseResolver.DEFAULT_MAPPING_TAG, _construct_mapping)
-
-
-def _key_lines(node: yaml.Node | None, prefix: tuple = (), out: dict | None = None) -> dict[tuple, int]:
-    """Map each dotted key path of a YAML document to its 1-based line (for error messages)."""
-    out = {} if out is None else out
-    if isinstance(node, yaml.MappingNode):
-        for key_node, value_node in node.value:
-            path = prefix + (str(key_node.value),)
-            out[path] = key_node.start_mark.line + 1
-            _key_lines(value_node, path, out)
-    elif isinstance(node, yaml.SequenceNode):
-        for i, item in enumerate(node.value):
-            out[prefix + (str(i),)] = item.start_mark.line + 1
-            _key_lines(item, prefix + (str(i),), out)
-    return out
-
-
-def read_yaml(path: str | Path) -> tuple[dict, dict[tuple, int]]:
-    """The mapping in a YAML file and the line of each key; clear errors for a missing file or bad YAML."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    raw = path.read_bytes()
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError as err:  # used to escape as a bare UnicodeDecodeError without the file's name
-        line = raw[:err.start].count(b"\n") + 1
-        raise ConfigError(f"{path}:{line}: not UTF-8 text ({err.reason} at byte {err.start})") from None
-    try:
-        data = yaml.load(text, Loader=_Loader)
-        lines = _key_lines(yaml.compose(text, Loader=_Loader))
-    except yaml.YAMLError as err:
-        mark = getattr(err, "problem_mark", None)
-        where = f"{path}:{mark.line + 1}" if mark is not None else str(path)
-        problem = getattr(err, "problem", None) or str(err)
-        raise ConfigError(f"{where}: invalid YAML: {problem}") from None
-    if data is None:
-        data = {}
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping of sections (run:, model:, ...), "
-                          f"got {type(data).__name__}")
-    return data, lines
-
-
-def parse_overrides(items: list[str] | tuple[str, ...]) -> list[tuple[list[str], Any, str]]:
-    """`a.b=value` strings -> (key path, YAML-parsed value, original text)."""
-    parsed = []
-    for item in items:
-        if "=" not in item:
-            raise ConfigError(f"override {item!r} is not of the form section.key=value (e.g. optim.lr=2e-5)")
-        key, raw = item.split("=", 1)
-        path = [p for p in key.strip().split(".")]
-        if not key.strip() or any(not p for p in path):
-            raise ConfigError(f"override {item!r}: empty key; use section.key=value")
-        try:
-            # `None` as Python spells it is accepted as YAML's null (a common slip on the command line)
-            value = None if raw.strip() in ("None", "none") else (yaml.load(raw, Loader=_Loader) if raw.strip() else "")
-        except yaml.YAMLError:
-            value = raw
-        parsed.append((path, value, item))
-    return parsed
-
-
-def apply_overrides(data: dict, items: list[str] | tuple[str, ...]) -> tuple[dict, dict[tuple, str]]:
-    """Set dotted keys in a nested dict (creating sections as needed). Returns the dict and, per key path,
-    the override text (used to say where a bad value came from)."""
-    sources: dict[tuple, str] = {}
-    for path, value, text in parse_overrides(items):
-        node = data
-        for i, part in enumerate(path[:-1]):
-            child = node.get(part)
-            if child is None:
-                child = node[part] = {}
-            elif not isinstance(child, dict):
-                raise ConfigError(f"override {text!r}: {'.'.join(path[:i + 1])} is a value, not a section")
-            node = child
-        node[path[-1]] = value
-        sources[tuple(path)] = text
-    return data, sources
-
-
-def _model_at(cls: type[BaseModel], loc: tuple) -> type[BaseModel] | None:
-    """The pydantic model class that holds the field at `loc` (to list its allowed keys)."""
-    current: Any = cls
-    for part in loc:
-        if not (isinstance(current, type) and issubclass(current, BaseModel)):
-            return None
-        field = current.model_fields.get(str(part))
-        if field is None:
-            return None
-        ann = field.annotation
-        args = getattr(ann, "__args__", ())
-        candidates = [ann, *args]
-        current = next((c for c in candidates if isinstance(c, type) and issubclass(c, BaseModel)), None)
-        if current is None:
-            return None
-    return current
-
-
-def _where(loc: tuple, source: str, lines: dict[tuple, int], overrides: dict[tuple, str], msg: str = "") -> str:
-    keys = tuple(str(p) for p in loc)
-    # a validator of a whole section names the exact key in its message: point at that key if we can
-    # (either its full dotted path or its path below the section, e.g. "letters.max_length" or "rs_threshold")
-    named = [k for k in (*overrides, *lines) if len(k) > len(keys) and k[:len(keys)] == keys and (
-        ".".join(k) in msg or re.search(rf"(?<!\w){re.escape('.'.join(k[len(keys):]))}(?!\w)", msg))]
-    if named:
-        keys = max(named, key=len)
-    for n in range(len(keys), 0, -1):
-        if keys[:n] in overrides:
-            return f"override {overrides[keys[:n]]!r}"
-    for n in range(len(keys), 0, -1):
-        if keys[:n] in lines:
-            return f"{source}:{lines[keys[:n]]}"
-    return source
+__all__ = ["ConfigError", "TrainConfig", "apply_overrides", "build_config", "config_reference", "dump_config",
+           "format_validation_error", "load_config", "parse_overrides", "read_yaml"]
 
 
 def format_validation_error(err: ValidationError, *, source: str = "<config>",
-                            lines: dict[tuple, int] | None = None,
-                            overrides: dict[tuple, str] | None = None,
+                            lines: dict[tuple, int] | None = None, overrides: dict[tuple, str] | None = None,
                             root: type[BaseModel] = TrainConfig) -> str:
-    """One line per problem: `where: field: what is wrong (allowed ...)`."""
-    lines = lines or {}
-    overrides = overrides or {}
-    out = []
-    for e in err.errors():
-        # pydantic puts union/function markers in loc (e.g. 'function-after[...]'); keep real keys only.
-        loc = tuple(p for p in e["loc"] if not (isinstance(p, str) and ("[" in p or p.startswith("function"))))
-        # a key with a line break or other control character would split / overwrite the message line
-        field = ".".join(str(p) if str(p).isprintable() else repr(str(p)) for p in loc) or "(top level)"
-        where = _where(loc, source, lines, overrides, e["msg"])
-        if e["type"] == "extra_forbidden":
-            parent = _model_at(root, loc[:-1])
-            allowed = ", ".join(parent.model_fields) if parent is not None else "?"
-            section = ".".join(str(p) for p in loc[:-1]) or "top level"
-            out.append(f"{where}: {field}: unknown key in {section}; allowed keys: {allowed}")
-        else:
-            msg = e["msg"]
-            if msg.startswith("Value error, "):
-                msg = msg[len("Value error, "):]
-            got = e.get("input")
-            got_text = "" if isinstance(got, dict) or e["type"] == "missing" else f" (got {got!r})"
-            out.append(f"{where}: {field}: {msg}{got_text}")
-    return "\n".join(out)
-
-
-def build_config(data: dict, *, source: str = "<config>", lines: dict[tuple, int] | None = None,
-                 overrides: dict[tuple, str] | None = None) -> TrainConfig:
-    try:
-        return TrainConfig.model_validate(data)
-    except ValidationError as err:
-        raise ConfigError("invalid config:\n" + format_validation_error(
-            err, source=source, lines=lines, overrides=overrides)) from None
-
-
-def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
-    """Read `path` (YAML; None = all defaults), apply `section.key=value` overrides, validate."""
-    if path is None:
-        data, lines, source = {}, {}, "<defaults>"
-    else:
-        data, lines = read_yaml(path)
-        source = str(path)
-    data, sources = apply_overrides(data, list(overrides))
-    return build_config(data, source=source, lines=lines, overrides=sources)
-
-
-def dump_config(cfg: BaseModel) -> str:
-    """The resolved config as YAML (every field, defaults included), loadable by `load_config`."""
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False, default_flow_style=False)
-
-
-def _type_text(annotation: Any) -> str:
-    text = getattr(annotation, "__name__", None) if isinstance(annotation, type) else None
-    text = text or str(annotation).replace("typing.", "")
-    return text.replace("NoneType", "None")
+    """One line per problem: `where: field: what is wrong (allowed ...)` (root model: TrainConfig)."""
+    return _format_validation_error(err, source=source, lines=lines, overrides=overrides, root=root)
 
 
 def config_reference(root: type[BaseModel] = TrainConfig) -> str:
     """Markdown reference of every config field: dotted key, type, default, description (docs/configuration.md)."""
-    out = ["| key | type | default | description |", "|---|---|---|---|"]
-
-    def walk(cls: type[BaseModel], prefix: str) -> None:
-        for name, field in cls.model_fields.items():
-            key = f"{prefix}{name}"
-            sub = _model_at(cls, (name,))
-            if sub is not None and field.annotation is sub:
-                out.append(f"| **{key}** | section | | {field.description or ''} |")
-                walk(sub, key + ".")
-                continue
-            default = field.get_default(call_default_factory=True)
-            if isinstance(default, BaseModel):
-                default = default.model_dump(mode="json")
-            desc = (field.description or "").replace("|", "\\|")
-            type_text = _type_text(field.annotation).replace("|", "\\|")
-            out.append(f"| `{key}` | {type_text} | `{default!r}` | {desc} |")
-
-    walk(root, "")
-    return "\n".join(out) + "\n"
+    return _config_reference(root)
 
 
 if __name__ == "__main__":  # python -m covrl.config > reference table

@@ -195,8 +195,10 @@ def test_bad_inputs_and_backends(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="backend"):
         build_sampler(SamplerConfig(backend="nope"), model, tok)
-    with pytest.raises(ImportError, match="vllm"):
+    with pytest.raises(ValueError, match=r"allowed: hf \(vLLM support is not available yet"):
         build_sampler(SamplerConfig(backend="vllm"), model, tok)
+    with pytest.raises(ValueError, match=r"sampler.backend: unknown sampler backend 'vllm'; allowed: hf \(vLLM"):
+        build_sampler(SamplerConfig.model_construct(backend="vllm"), model, tok)
     sampler = build_sampler(SamplerConfig(), model, tok)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         sampler.generate([[1, 2], []], 1, generator=torch.Generator())

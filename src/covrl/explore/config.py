@@ -5,15 +5,14 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import Field, field_validator
 
 from covrl.explore.names import AGENT_NAMES, ENV_NAMES
+from covrl.settings import Section
 
 
-class BanditConfig(BaseModel):
+class BanditConfig(Section):
     """One comparison: several agents on one environment, same seeds."""
-
-    model_config = ConfigDict(extra="forbid")
 
     env: str = Field("linear", description=f"environment: {', '.join(ENV_NAMES)}")
     agents: list[str] = Field(["ensemble++", "lints"], min_length=1, description="agents to compare")

@@ -60,7 +60,3 @@ def masked_min(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
 
 def item(x: torch.Tensor | float) -> float:
     return float(x.item()) if isinstance(x, torch.Tensor) else float(x)
-
-
-def as_mask(mask: torch.Tensor) -> torch.Tensor:
-    return mask.to(torch.float32)

@@ -26,10 +26,10 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Annotated, Literal
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from covrl.math._util import check_2d, check_same_shape, clamped_log_ratio, item, masked_max, masked_mean
 
@@ -102,14 +102,19 @@ def _parse_threshold(v):
     return v
 
 
+# An IS threshold of inf is a setting (no truncation); nan is refused by `_check_is_threshold`.
+_Threshold = Annotated[float, AllowInfNan(True)]
+
+
 class CorrectionConfig(BaseModel):
     """Rollout-correction options (RESEARCH §6; meanings compatible with verl's rollout_is / rollout_rs)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # = covrl.settings.SECTION_POLICY, spelt out because covrl.math imports nothing from covrl (tests compare)
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     is_level: Literal["token", "sequence"] | None = Field(
         None, description="importance-sampling level: None (no IS weights), 'token' or 'sequence'")
-    is_threshold: float | tuple[float, float] = Field(
+    is_threshold: _Threshold | tuple[_Threshold, _Threshold] = Field(
         2.0, description="truncation C of the IS weight (min(ρ, C)), or a (lo, hi) band: weights outside -> 0")
     is_batch_normalize: bool = Field(False, description="rescale the IS weights to mean 1 over the kept batch")
     rs: list[str] = Field(default_factory=list, description=(

@@ -2,7 +2,7 @@
 
 from covrl.models.loading import (
     MODEL_SOURCES,
-    LoraSettings,
+    LoraConfig,
     ModelConfig,
     TinyModelConfig,
     frozen_copy,
@@ -13,5 +13,5 @@ from covrl.models.loading import (
 from covrl.models.smollm2 import ModelNotFoundError, load_smollm2, smollm2_gguf_path
 from covrl.models.tiny import char_tokenizer, tiny_llama
 
-__all__ = ["MODEL_SOURCES", "LoraSettings", "ModelConfig", "ModelNotFoundError", "TinyModelConfig",
+__all__ = ["MODEL_SOURCES", "LoraConfig", "ModelConfig", "ModelNotFoundError", "TinyModelConfig",
            "char_tokenizer", "frozen_copy", "load_model", "lora_merge_plan", "merge_lora_state_dict", "load_smollm2", "smollm2_gguf_path", "tiny_llama"]

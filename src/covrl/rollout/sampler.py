@@ -29,10 +29,15 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 import torch
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field, field_validator
 
 from covrl.models.loading import lora_merge_plan, merge_lora_state_dict
+<<<<<<< HEAD
 from covrl.rollout.types import RolloutBatch, RolloutTiming
+=======
+from covrl.rollout.types import RolloutBatch
+from covrl.settings import Section
+>>>>>>> config
 from covrl.tasks.task import PromptTooLongError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -41,11 +46,10 @@ _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torc
 TOPK_LOGPROB_FLOOR = -1.0e4
 
 
-class SamplerConfig(BaseModel):
+class SamplerConfig(Section):
     """How rollouts are generated."""
 
-    model_config = ConfigDict(extra="forbid")
-    backend: str = Field("hf", description="sampler backend registry name: hf (transformers, CPU/GPU) or vllm")
+    backend: str = Field("hf", description="sampler backend registry name: hf (transformers, CPU/GPU)")
     temperature: float = Field(1.0, gt=0.0, le=100.0, description="softmax temperature of the sampler")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus filter: keep the smallest set with mass >= p")
     top_k: int = Field(0, ge=0, description="keep only the k most likely tokens (0 = off)")
@@ -59,6 +63,14 @@ class SamplerConfig(BaseModel):
     share_weights: Literal["auto", "always", "never"] = Field(
         "auto", description="use the trainer's module directly (no copy): auto = when dtypes match and "
         "sync_every == 1; a separate copy is required for staleness (sync_every > 1) or another dtype")
+
+    @field_validator("backend")
+    @classmethod
+    def _known_backend(cls, v: str) -> str:
+        # checked here so that a bad backend stops the run at config load, naming the file and line
+        if v not in SAMPLER_BACKENDS:
+            raise ValueError(_unknown_backend(v))
+        return v
 
 
 class Sampler(Protocol):
@@ -327,20 +339,19 @@ def _build_hf(cfg: SamplerConfig, model, tokenizer) -> HFSampler:
     return HFSampler(cfg, model, tokenizer)
 
 
-def _build_vllm(cfg: SamplerConfig, model, tokenizer):
-    from covrl._lazy import require
-
-    require("vllm", "vllm")
-    raise NotImplementedError("sampler.backend='vllm' needs the covrl[vllm] extra and a CUDA GPU; the vLLM "
-                              "backend is not implemented in this build -- use sampler.backend='hf'")
+# name -> builder(cfg, model, tokenizer) -> Sampler. vLLM is not listed until its backend exists.
+SAMPLER_BACKENDS: dict[str, Callable] = {"hf": _build_hf}
 
 
-# name -> builder(cfg, model, tokenizer) -> Sampler
-SAMPLER_BACKENDS: dict[str, Callable] = {"hf": _build_hf, "vllm": _build_vllm}
+def _unknown_backend(name: str) -> str:
+    text = f"unknown sampler backend {name!r}; allowed: {', '.join(sorted(SAMPLER_BACKENDS))}"
+    if name.strip().lower() == "vllm":
+        text += " (vLLM support is not available yet; use sampler.backend=hf)"
+    return text
 
 
 def build_sampler(cfg: SamplerConfig, model, tokenizer) -> Sampler:
     """The sampler backend `cfg.backend` (see SAMPLER_BACKENDS) around `model` / `tokenizer`."""
-    if cfg.backend not in SAMPLER_BACKENDS:
-        raise ValueError(f"sampler.backend={cfg.backend!r}; allowed: {sorted(SAMPLER_BACKENDS)}")
+    if cfg.backend not in SAMPLER_BACKENDS:  # a config built without validation (model_construct)
+        raise ValueError(f"sampler.backend: {_unknown_backend(cfg.backend)}")
     return SAMPLER_BACKENDS[cfg.backend](cfg, model, tokenizer)

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
+
+from covrl.settings import Section
 
 
-class ArithmeticOptions(BaseModel):
+class ArithmeticConfig(Section):
     """Problems like "Compute 7+5." (chat) / "7+5=" (plain)."""
 
-    model_config = ConfigDict(extra="forbid")
     ops: list[Literal["+", "-", "*"]] = Field(default_factory=lambda: ["+"], min_length=1,
                                               description="operators drawn uniformly between operands")
     digits: int = Field(1, ge=1, le=6, description="digits per operand (1: 0..9, 2: 10..99, ...)")
@@ -18,10 +19,9 @@ class ArithmeticOptions(BaseModel):
     allow_negative: bool = Field(True, description="keep problems whose result is negative")
 
 
-class LettersOptions(BaseModel):
+class LettersConfig(Section):
     """Random lowercase words for the count_letters / sort_letters tasks."""
 
-    model_config = ConfigDict(extra="forbid")
     alphabet: str = Field("abcdefgh", min_length=2, description="letters the words are drawn from")
     min_length: int = Field(3, ge=1, le=64, description="shortest word")
     max_length: int = Field(6, ge=1, le=64, description="longest word")
@@ -33,14 +33,13 @@ class LettersOptions(BaseModel):
         return self
 
 
-class TaskConfig(BaseModel):
+class TaskConfig(Section):
     """Which problems to pose and how to score them."""
 
-    model_config = ConfigDict(extra="forbid")
     name: str = Field("arithmetic", description="task registry name: arithmetic, count_letters, "
                       "sort_letters, jsonl (path = a .jsonl file), hf_dataset (path = a local datasets folder)")
-    arithmetic: ArithmeticOptions = Field(default_factory=ArithmeticOptions, description="arithmetic options")
-    letters: LettersOptions = Field(default_factory=LettersOptions, description="count/sort letters options")
+    arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig, description="arithmetic options")
+    letters: LettersConfig = Field(default_factory=LettersConfig, description="count/sort letters options")
     path: str | None = Field(None, description="data file/folder for jsonl / hf_dataset tasks")
     eval_path: str | None = Field(None, description="separate eval file/folder (else n_eval rows split off)")
     prompt_field: str = Field("prompt", min_length=1, description="record field holding the prompt")

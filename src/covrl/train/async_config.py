@@ -1,21 +1,25 @@
 """Options of the asynchronous loops (`loop.mode=async` local, `loop.mode=ray`), section `async_loop` of the
 training config. Everything that measures time is on the data clock: the queue (and with it the staleness bound)
-is sized in rollouts; a bound given in steps is converted once, Q = steps x rollouts per step."""
+is sized in rollouts; a bound given in steps is converted once, Q = steps x rollouts per step.
+
+The queue size has one name in Python, `queue_rollouts` (`AsyncLoopConfig.queue_rollouts(B)`, the loop state's
+`queue_rollouts`, the metric `async/queue_rollouts`); it is `Q` in the docs and is set in YAML with
+`async_loop.max_staleness_rollouts` (or `max_staleness_steps`), keys kept for existing configs."""
 
 from __future__ import annotations
 
 import math
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from covrl.settings import Section
 
 __all__ = ["AsyncLoopConfig"]
 
 
-class AsyncLoopConfig(BaseModel):
+class AsyncLoopConfig(Section):
     """Asynchronous RL: sampler(s) and trainer run concurrently through a rollout queue with admission control."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)
 
     max_staleness_rollouts: int | None = Field(
         None, ge=0, description="queue size Q in rollouts: a rollout is only started if it will be trained at most "
@@ -58,7 +62,7 @@ class AsyncLoopConfig(BaseModel):
     ray_temp_dir: str | None = Field(None, description="Ray's session folder (local instance only; keep it short)")
 
     def queue_rollouts(self, rollouts_per_step: int) -> int:
-        """Q in rollouts: max_staleness_rollouts, else max_staleness_steps x rollouts per step."""
+        """The queue size Q in rollouts: max_staleness_rollouts, else max_staleness_steps x rollouts per step."""
         if self.max_staleness_rollouts is not None:
             return int(self.max_staleness_rollouts)
         return int(self.max_staleness_steps) * int(rollouts_per_step)
@@ -78,13 +82,10 @@ class AsyncLoopConfig(BaseModel):
         to k − 1 steps behind, so the queue must hold at least (k − 1)·B rollouts (else a deadlock)."""
         self.chunk_size(prompts_per_step)
         batch = prompts_per_step * group_size
-        q = self.queue_rollouts(batch)
+        queue = self.queue_rollouts(batch)
         need = (sync_every - 1) * batch
-        if q < need:
-            raise ValueError(f"async_loop: the queue of {q} rollouts is smaller than (sampler.sync_every - 1) x "
+        if queue < need:
+            raise ValueError(f"async_loop: the queue of {queue} rollouts is smaller than (sampler.sync_every - 1) x "
                              f"rollouts per step = {need}: the sampler would wait for weights that never come; "
                              f"raise async_loop.max_staleness_steps to >= {math.ceil(need / batch)} or set "
                              "sampler.sync_every=1")
-
-
-LoopMode = Literal["sync", "async", "ray"]

@@ -17,7 +17,9 @@ import math
 from collections.abc import Callable
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from covrl.settings import Section
 
 __all__ = ["LR_RULES", "OPTIMIZER_RULES", "BatchScalingConfig", "lr_for_batch", "scaled_lr"]
 
@@ -63,10 +65,8 @@ def lr_for_batch(base_lr: float, base_batch: int, batch: int, optimizer: str = "
     return base_lr * LR_RULES[rule](batch / base_batch)
 
 
-class BatchScalingConfig(BaseModel):
+class BatchScalingConfig(Section):
     """Scale the lr when the batch (rollouts per step) differs from the batch the lr was tuned at."""
-
-    model_config = ConfigDict(extra="forbid", validate_assignment=True)
 
     scale_lr: bool = Field(False, description="scale optim.lr from base_batch_rollouts to the run's rollouts per "
                                               "step by the optimizer's rule (AdamW: square root)")

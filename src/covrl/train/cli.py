@@ -26,7 +26,7 @@ def _print_err(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from covrl.config import ConfigError, load_config
+    from covrl.train.config import ConfigError, load_config
     from covrl.train.launch import train_from_config
 
     overrides = list(args.overrides)

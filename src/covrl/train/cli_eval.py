@@ -51,7 +51,7 @@ def _locate(args) -> tuple[Path | None, Path | None, bool]:
 
 
 def run(args: argparse.Namespace) -> int:
-    from covrl.config import ConfigError, load_config
+    from covrl.train.config import ConfigError, load_config
 
     try:
         config_path, weights, plain_hf = _locate(args)

@@ -3,23 +3,29 @@ that the lower layers define (`ModelConfig`, `TaskConfig`, `SamplerConfig`, `Cor
 `LengthSurgeConfig`).
 
 The composed `TrainConfig` lives here (layer `train`) so that the Trainer and the loops can take it without
-importing upward; `covrl.config` adds YAML loading, dotted overrides and error messages on top.
+importing upward; `load_config` / `build_config` bind the generic YAML loading, dotted overrides and error
+messages of `covrl.settings` to it (`covrl.config` re-exports them as the public entry point).
 Every schedule field is counted on the data clock (rollouts consumed), never in optimizer steps."""
 
 from __future__ import annotations
 
 import inspect
+from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
 from covrl.math import CorrectionConfig
 from covrl.models import ModelConfig
 from covrl.rollout import SamplerConfig
+from covrl.settings import ConfigError, Section, build_section, load_section
 from covrl.tasks import TaskConfig
 from covrl.train.async_config import AsyncLoopConfig
 from covrl.train.batch_scaling import BatchScalingConfig
 from covrl.train.lr_surge import LengthSurgeConfig
+
+__all__ = ["AlgorithmConfig", "CheckpointConfig", "ConfigError", "EvalConfig", "KLConfig", "LoggingConfig",
+           "LoopConfig", "OptimConfig", "RunConfig", "SFTWarmupConfig", "TrainConfig", "build_config", "load_config"]
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -28,8 +34,8 @@ _ADVANTAGE_BUILTIN_ARGS = {"batch", "rewards", "mask", "group_ids", "logprobs", 
 _LOSS_BUILTIN_ARGS = {"logprobs", "sampler_logprobs", "advantages", "mask", "is_weights", "agg_mode"}
 
 
-class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)  # inf lr etc. used to pass
+# The old private name of the base, kept so that AlgorithmConfig (rewritten on another branch) is untouched here.
+_Section = Section
 
 
 def _registry(kind: str) -> dict[str, Any]:
@@ -46,7 +52,7 @@ def registry_options(fn: Any, builtin: set[str]) -> dict[str, inspect.Parameter]
             if n not in builtin and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
 
 
-class RunSection(_Section):
+class RunConfig(Section):
     name: str | None = Field(None, description="run folder name under output_dir (default: the config file's stem)")
     seed: int = Field(0, ge=0, le=2**63 - 1, description="one seed for python, numpy, torch and the sampler's generator")
     output_dir: str = Field("runs", min_length=1, description="folder that holds run folders")
@@ -101,7 +107,7 @@ class AlgorithmConfig(_Section):
         return self
 
 
-class OptimConfig(_Section):
+class OptimConfig(Section):
     lr: float = Field(1e-5, gt=0, description="peak AdamW learning rate")
     betas: tuple[float, float] = Field((0.9, 0.999), description="AdamW betas")
     eps: float = Field(1e-8, gt=0, description="AdamW epsilon")
@@ -123,7 +129,7 @@ class OptimConfig(_Section):
         return v
 
 
-class KLConfig(_Section):
+class KLConfig(Section):
     coef: float = Field(0.0, ge=0, description="weight of the KL penalty to the reference (0: off, no ref model)")
     kind: Literal["k1", "k2", "k3", "abs"] = Field("k3", description="per-token KL estimator")
     mode: Literal["loss", "reward"] = Field("loss", description="add the penalty to the loss, or subtract "
@@ -131,7 +137,7 @@ class KLConfig(_Section):
     straight_through: bool = Field(False, description="straight-through gradient of the estimator (loss mode)")
 
 
-class LoopConfig(_Section):
+class LoopConfig(Section):
     mode: Literal["sync", "async", "ray"] = Field(
         "sync", description="orchestration: sync (generate, then train), async (sampler thread beside the "
                             "trainer, see async_loop), ray (sampler actors; docs/async.md)")
@@ -144,7 +150,7 @@ class LoopConfig(_Section):
         return self.prompts_per_step * self.group_size
 
 
-class EvalConfig(_Section):
+class EvalConfig(Section):
     before: bool = Field(True, description="evaluate before RL (after the SFT warm-up, if any)")
     after: bool = Field(True, description="evaluate at the end of the run")
     every_rollouts: int = Field(0, ge=0, description="also evaluate every this many rollouts (0: never)")
@@ -153,20 +159,20 @@ class EvalConfig(_Section):
     max_prompts: int | None = Field(None, ge=1, description="use at most this many held-out prompts")
 
 
-class CheckpointConfig(_Section):
+class CheckpointConfig(Section):
     every_rollouts: int = Field(0, ge=0, description="save a checkpoint every this many rollouts (0: only at end)")
     at_end: bool = Field(True, description="save a checkpoint when the run ends")
     keep_last: int = Field(2, ge=1, description="complete checkpoints kept (older ones are deleted)")
 
 
-class SFTWarmupConfig(_Section):
+class SFTWarmupConfig(Section):
     steps: int = Field(0, ge=0, description="supervised steps on the task's demonstrations before RL (0: off)")
     lr: float = Field(1e-3, gt=0, description="AdamW learning rate of the warm-up")
     batch_size: int = Field(32, ge=1, description="examples per warm-up step")
     weight_decay: float = Field(0.0, ge=0, description="AdamW weight decay of the warm-up")
 
 
-class LoggingConfig(_Section):
+class LoggingConfig(Section):
     console: bool = Field(True, description="print progress and the key metrics to the console")
     progress_bar: bool = Field(True, description="rich live progress bar on a terminal (else one line per step)")
     tensorboard: bool = Field(False, description="write TensorBoard scalars (extra: tensorboard)")
@@ -179,11 +185,11 @@ class LoggingConfig(_Section):
         "gradient norms; a step that fits one micro-batch is then run as two halves of whole groups")
 
 
-class TrainConfig(_Section):
+class TrainConfig(Section):
     """A whole training run. Sections: run, model, task, sampler, algorithm, correction, kl, optim, lr_surge,
     loop, eval, checkpoint, sft_warmup, logging."""
 
-    run: RunSection = Field(default_factory=RunSection, description="name, seed, device, output folder")
+    run: RunConfig = Field(default_factory=RunConfig, description="name, seed, device, output folder")
     model: ModelConfig = Field(default_factory=ModelConfig, description="which model to train")
     task: TaskConfig = Field(default_factory=TaskConfig, description="prompts, answers and reward")
     sampler: SamplerConfig = Field(default_factory=SamplerConfig, description="rollout generation")
@@ -220,3 +226,14 @@ class TrainConfig(_Section):
     @property
     def total_rollouts(self) -> int:
         return self.loop.steps * self.loop.rollouts_per_step
+
+
+def build_config(data: dict, *, source: str = "<config>", lines: dict[tuple, int] | None = None,
+                 overrides: dict[tuple, str] | None = None) -> TrainConfig:
+    """`TrainConfig` from a nested dict; a ConfigError names each bad field with its file:line or override."""
+    return build_section(TrainConfig, data, source=source, lines=lines, overrides=overrides)
+
+
+def load_config(path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> TrainConfig:
+    """Read `path` (YAML; None = all defaults), apply `section.key=value` overrides, validate."""
+    return load_section(TrainConfig, path, overrides)

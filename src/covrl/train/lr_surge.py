@@ -24,7 +24,9 @@ from __future__ import annotations
 import math
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import Field
+
+from covrl.settings import Section
 
 # Default metric (in the trainer's per-step metrics dict) that feeds each trigger; `signal_metric` overrides it.
 # "noise" reads the monitor's fast EMA of the noise proxy so that the schedule compares a short-horizon average
@@ -38,10 +40,8 @@ TRIGGER_METRICS: dict[str, str] = {
 _EPS = 1e-12
 
 
-class LengthSurgeConfig(BaseModel):
+class LengthSurgeConfig(Section):
     """Options of the length-surge LR decay (RESEARCH §8). Warm-up and cooldown run on the data clock (rollouts)."""
-
-    model_config = ConfigDict(extra="forbid")
 
     enabled: bool = Field(False, description="apply the decay; when off the EMA and ratio are still logged, scale stays 1")
     trigger: Literal["length", "noise", "mismatch"] = Field(
@@ -49,7 +49,8 @@ class LengthSurgeConfig(BaseModel):
     signal_metric: str | None = Field(
         None, description="key of the per-step metric read by update_from_metrics; None = the trigger's default")
     ema_alpha: float = Field(0.05, gt=0.0, le=1.0, description="EMA weight of the newest signal (updated after the test)")
-    ratio: float = Field(1.2, gt=1.0, description="decay when signal / EMA >= ratio")
+    # inf is a setting here (the trigger never fires); nan still fails gt=1
+    ratio: float = Field(1.2, gt=1.0, allow_inf_nan=True, description="decay when signal / EMA >= ratio")
     factor: float = Field(0.5, gt=0.0, lt=1.0, description="multiply the LR scale by this at each decay")
     floor: float = Field(0.125, gt=0.0, le=1.0, description="the LR scale never goes below this")
     max_decays: int = Field(3, ge=0, description="at most this many decays over the run")

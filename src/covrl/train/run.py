@@ -27,6 +27,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from covrl.settings import dump_config
 from covrl.train import checkpoint as ckpt
 from covrl.train.config import TrainConfig
 from covrl.train.data import DataStream
@@ -362,7 +363,6 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     that do not load are renamed `corrupt-ckpt-...` with a warning (none loads: CheckpointError, nothing
     changed). A folder with no complete checkpoint (killed before the first one) starts from scratch in place,
     unless it holds a completed run."""
-    from covrl.config import dump_config
     from covrl.models import frozen_copy, load_model
     from covrl.rollout import build_sampler
     from covrl.tasks import build_task

@@ -1,0 +1,25 @@
+"""covrl.settings: the config machinery every layer may use; it imports nothing from covrl.
+
+- `Section`: the base class of every config section (one validation policy, `SECTION_POLICY`);
+- YAML files with line numbers, dotted `key=value` overrides, validation errors that name the file and line
+  (or the override) and the allowed keys, the resolved config as YAML, the markdown reference table -- all
+  generic in the root model class (`covrl.train.config.TrainConfig` for a training run).
+"""
+
+from covrl.settings.base import SECTION_POLICY, Section
+from covrl.settings.io import (
+    ConfigError,
+    apply_overrides,
+    build_section,
+    config_reference,
+    dump_config,
+    format_validation_error,
+    load_section,
+    parse_overrides,
+    read_yaml,
+)
+
+__all__ = [
+    "SECTION_POLICY", "ConfigError", "Section", "apply_overrides", "build_section", "config_reference",
+    "dump_config", "format_validation_error", "load_section", "parse_overrides", "read_yaml",
+]
