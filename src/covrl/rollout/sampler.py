@@ -31,6 +31,7 @@ from typing import Literal, Protocol
 import torch
 from pydantic import Field, field_validator
 
+from covrl.models.forward import cache_argument, output_cache
 from covrl.models.loading import lora_merge_plan, merge_lora_state_dict
 <<<<<<< HEAD
 from covrl.rollout.types import RolloutBatch, RolloutTiming
@@ -80,18 +81,6 @@ class Sampler(Protocol):
                  policy_version: int | None = None, greedy: bool = False) -> RolloutBatch: ...
 
     def load_weights(self, model_or_state_dict, version: int) -> None: ...
-
-
-def _cache_kwarg() -> str:
-    """transformers >= 5.2x calls the KV cache argument `cache` (older: `past_key_values`)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def _output_cache(out):
-    cache = getattr(out, "cache", None)
-    return cache if cache is not None else out.past_key_values
 
 
 def _module_dtype(model) -> torch.dtype:
@@ -182,7 +171,7 @@ class HFSampler:
             raise ValueError("tokenizer has no eos token: the sampler cannot stop responses")
         self.eos_ids = sorted(eos)
         self.version = 0
-        self._cache_kwarg = _cache_kwarg()
+        self._cache_kwarg = cache_argument()
         # Positions past the model's trained context would run through RoPE extrapolation silently.
         self.context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
@@ -272,7 +261,7 @@ class HFSampler:
         out = self.module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
                           logits_to_keep=1)
         prefill_s = time.perf_counter() - t0
-        cache = _output_cache(out)
+        cache = output_cache(out)
         if len(unique) < B:
             cache.batch_select_indices(expand)
         logits = out.logits[:, -1, :][expand]
@@ -298,7 +287,7 @@ class HFSampler:
             attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
             out = self.module(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
                               use_cache=True, **{self._cache_kwarg: cache})
-            cache = _output_cache(out)
+            cache = output_cache(out)
             logits = out.logits[:, -1, :]
             next_pos = next_pos + 1
         piece = {"tokens": out_tokens.cpu(), "logq": out_logq.cpu(), "length": out_len.cpu(),

@@ -2,13 +2,10 @@
 
 from __future__ import annotations
 
+from covrl.models.forward import decode_responses as decode_response_tokens
 from covrl.rollout.types import RolloutBatch
 
 
 def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
-    """The text of each response: the tokens with mask 1, special tokens (EOS) dropped."""
-    texts = []
-    for ids, mask in zip(batch.response_ids.tolist(), batch.response_mask.tolist()):
-        kept = [t for t, m in zip(ids, mask) if m > 0]
-        texts.append(tokenizer.decode(kept, skip_special_tokens=True))
-    return texts
+    """The text of each response of `batch`: the tokens with mask 1, special tokens (EOS) dropped."""
+    return decode_response_tokens(tokenizer, batch.response_ids, batch.response_mask)

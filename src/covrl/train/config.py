@@ -9,13 +9,12 @@ Every schedule field is counted on the data clock (rollouts consumed), never in 
 
 from __future__ import annotations
 
-import inspect
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, ValidationError, field_validator, model_validator
 
-from covrl.math import CorrectionConfig
+from covrl.math import ADVANTAGE_SPECS, LOSS_SPECS, AdvantageSpec, CorrectionConfig, LossSpec
 from covrl.models import ModelConfig
 from covrl.rollout import SamplerConfig
 from covrl.settings import ConfigError, Section, build_section, load_section
@@ -29,27 +28,24 @@ __all__ = ["AlgorithmConfig", "CheckpointConfig", "ConfigError", "EvalConfig", "
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
-# Parameters every registered estimator/loss receives from the trainer; anything else is a user option.
-_ADVANTAGE_BUILTIN_ARGS = {"batch", "rewards", "mask", "group_ids", "logprobs", "sum_pi_sq", "is_weights"}
-_LOSS_BUILTIN_ARGS = {"logprobs", "sampler_logprobs", "advantages", "mask", "is_weights", "agg_mode"}
 
 
-# The old private name of the base, kept so that AlgorithmConfig (rewritten on another branch) is untouched here.
-_Section = Section
 
-
-def _registry(kind: str) -> dict[str, Any]:
-    """The covrl.math registry of advantage estimators or policy losses."""
-    from covrl.math import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
-
-    return {"advantage": ADVANTAGE_ESTIMATORS, "loss": POLICY_LOSSES}[kind]
-
-
-def registry_options(fn: Any, builtin: set[str]) -> dict[str, inspect.Parameter]:
-    """Keyword options a registered function accepts beyond the arguments the trainer always passes."""
-    params = inspect.signature(fn).parameters
-    return {n: p for n, p in params.items()
-            if n not in builtin and p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)}
+def check_registry_options(field_name: str, spec: AdvantageSpec | LossSpec, values: dict[str, Any]) -> None:
+    """Raise a ValueError naming `algorithm.<field_name>.<key>` and the options of the registered function `spec`
+    (covrl.math AdvantageSpec / LossSpec) when a key is not one of its options or its value has the wrong type.
+    The options (names, types, defaults) are the ones the registry read from the function's signature; the
+    arguments the trainer supplies itself (covrl.math ADVANTAGE_INPUTS / LOSS_INPUTS) are not options."""
+    allowed = spec.describe_options()
+    unknown = spec.unknown_options(values)
+    if unknown:
+        raise ValueError(f"algorithm.{field_name}.{unknown[0]} is not an option of {spec.name}; allowed: {allowed}")
+    try:
+        spec.validate_options(values)
+    except ValidationError as err:
+        problems = "; ".join(f"algorithm.{field_name}.{'.'.join(str(p) for p in e['loc'])}: {e['msg']} "
+                             f"(got {e.get('input')!r})" for e in err.errors())
+        raise ValueError(f"{problems}; options of {spec.name}: {allowed}") from None
 
 
 class RunConfig(Section):
@@ -61,7 +57,7 @@ class RunConfig(Section):
     save_initial: bool = Field(False, description="save the weights at the start of RL in checkpoints/initial/")
 
 
-class AlgorithmConfig(_Section):
+class AlgorithmConfig(Section):
     advantage: str = Field("otb", description="advantage estimator (covrl.math registry): grpo, dr_grpo, rloo, "
                                               "reinforce, otb, otb_tir")
     advantage_options: dict[str, Any] = Field(default_factory=dict,
@@ -81,29 +77,21 @@ class AlgorithmConfig(_Section):
     @field_validator("advantage")
     @classmethod
     def _known_advantage(cls, v: str) -> str:
-        reg = _registry("advantage")
-        if v not in reg:
-            raise ValueError(f"unknown advantage estimator {v!r}; allowed: {', '.join(sorted(reg))}")
+        if v not in ADVANTAGE_SPECS:
+            raise ValueError(f"unknown advantage estimator {v!r}; allowed: {', '.join(sorted(ADVANTAGE_SPECS))}")
         return v
 
     @field_validator("loss")
     @classmethod
     def _known_loss(cls, v: str) -> str:
-        reg = _registry("loss")
-        if v not in reg:
-            raise ValueError(f"unknown policy loss {v!r}; allowed: {', '.join(sorted(reg))}")
+        if v not in LOSS_SPECS:
+            raise ValueError(f"unknown policy loss {v!r}; allowed: {', '.join(sorted(LOSS_SPECS))}")
         return v
 
     @model_validator(mode="after")
     def _known_options(self) -> AlgorithmConfig:
-        checks = (("advantage_options", _registry("advantage")[self.advantage], _ADVANTAGE_BUILTIN_ARGS),
-                  ("loss_options", _registry("loss")[self.loss], _LOSS_BUILTIN_ARGS))
-        for field_name, fn, builtin in checks:
-            allowed = registry_options(fn, builtin)
-            for key in getattr(self, field_name):
-                if key not in allowed:
-                    raise ValueError(f"algorithm.{field_name}.{key} is not an option of "
-                                     f"{getattr(fn, '__name__', fn)!s}; allowed: {', '.join(sorted(allowed)) or '(none)'}")
+        check_registry_options("advantage_options", ADVANTAGE_SPECS[self.advantage], self.advantage_options)
+        check_registry_options("loss_options", LOSS_SPECS[self.loss], self.loss_options)
         return self
 
 

@@ -7,16 +7,8 @@ from typing import Any
 
 import torch
 
+from covrl.rollout.text import decode_responses
 from covrl.rollout.types import RolloutBatch
-
-
-def decode_responses(tokenizer, batch: RolloutBatch) -> list[str]:
-    """Text of each response row (valid tokens only, special tokens such as EOS dropped). An empty
-    generation decodes to ''."""
-    texts = []
-    for ids, mask in zip(batch.response_ids, batch.response_mask):
-        texts.append(tokenizer.decode(ids[mask > 0].tolist(), skip_special_tokens=True))
-    return texts
 
 
 def _score(task, tokenizer, batch: RolloutBatch, examples: list) -> dict[str, Any]:

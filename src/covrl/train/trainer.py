@@ -1,4 +1,5 @@
-"""One optimisation step on a scored `RolloutBatch`; the algorithm is chosen by registry names in the config.
+"""One optimisation step on a scored `RolloutBatch`; the algorithm (registry names in the config) is bound once
+per Trainer (`covrl.train.algorithm.bind_algorithm`).
 
 Per step (RESEARCH §5–§8):
   1. (KL to a reference) reference log-probs, no grad; in `reward` mode R_b ← R_b − coef·Σ_t KL_t.
@@ -7,8 +8,9 @@ Per step (RESEARCH §5–§8):
   3. `rollout_correction` (IS weights, rejection keep-mask, mismatch metrics), then `compute_advantages`
      (OTB receives the trainer log-probs, Σπ² and, when enabled, the IS weights).
   4. `policy_loss` (+ `score_centering_term` with the sampler's top-k from the batch) (+ KL in the loss).
-     Pairing rule: a loss whose ratio is taken against the sampler (ppo_clip) gets no IS weights; covariance
-     and reinforce get the detached correction weights. Token losses of kept tokens are aggregated with the
+     Pairing rule (declared with each registered loss, `LossSpec.takes_is_weights`): a loss whose ratio is
+     taken against the sampler (ppo_clip) gets no IS weights; covariance and reinforce get the detached
+     correction weights. Token losses of kept tokens are aggregated with the
      FULL batch's response mask, so rejected tokens count in the normaliser (TRM's "full count").
   5. backward per micro-batch (gradient accumulation), global-norm clipping, AdamW step with
      lr = peak · schedule(data clock) · length-surge scale.
@@ -16,7 +18,10 @@ Per step (RESEARCH §5–§8):
 Micro-batches hold whole groups when the group size allows: then every group statistic (advantage baselines)
 is computed inside the micro-batch and the step needs one forward per row. Otherwise (a group larger than
 `optim.micro_batch_size`, or `correction.is_batch_normalize`) a no-grad pre-pass computes the batch-level
-statistics first. Metrics are always computed on the full batch.
+statistics first. Metrics are always computed on the full batch, from the advantages and correction the step
+already computed (per micro-batch, assembled, or the pre-pass's); the estimator or the correction runs again
+on the full batch only where those pieces would not reproduce the full-batch values bit for bit (see
+`_batch_diagnostics`).
 
 The trainer does not know whether it runs in a sync or async loop: it only reads the batch.
 """
@@ -30,28 +35,17 @@ from typing import Any
 
 import torch
 
-from covrl.math import (
-    aggregate,
-    compute_advantages,
-    entropy_from_logits,
-    kl_estimate,
-    policy_loss,
-    rollout_correction,
-    score_centering_term,
-    sum_pi_squared,
-    token_logprobs,
-)
+from covrl.math import aggregate, kl_estimate
+from covrl.models.forward import ResponseForward
+from covrl.models.forward import forward_response as forward_response_tokens
 from covrl.rollout.types import RolloutBatch, ScoredBatch
+from covrl.train.algorithm import Algorithm, bind_algorithm
 from covrl.train.batch_scaling import scaled_lr
 from covrl.train.config import TrainConfig
 from covrl.train.faults import fault_point
 from covrl.train.lr_surge import LengthSurgeSchedule
 from covrl.train.results import StepResult
 from covrl.train.schedule import lr_factor
-
-# Losses whose ratio is taken against the sampler's log-probs: by the pairing rule of RESEARCH §6 they get no
-# extra IS weights (that would correct twice). Every other loss gets the detached correction weights.
-SAMPLER_RATIO_LOSSES = frozenset({"ppo_clip"})
 
 
 class TrainingDivergedError(RuntimeError):
@@ -64,20 +58,28 @@ class TrainingDivergedError(RuntimeError):
 
 
 @dataclass
-class _Forward:
-    logprobs: torch.Tensor            # [b, t] fp32, carries the gradient when computed with grad
-    entropy: torch.Tensor             # [b, t] detached
-    sum_pi_sq: torch.Tensor           # [b, t] detached
-    topk_logprobs: torch.Tensor | None  # [b, t, K] with grad (score centring), else None
-
-
-@dataclass
 class _Prepared:
-    """Batch-level detached quantities for one micro-batch (rows), from the pre-pass or computed in place."""
+    """Detached advantages, IS weights (None without is_level) and keep-mask of some rows: one micro-batch
+    (from the pre-pass or computed in place) or the whole batch."""
 
     advantages: torch.Tensor
     weights: torch.Tensor | None
     keep: torch.Tensor
+
+    def rows(self, idx: torch.Tensor, width: int) -> _Prepared:
+        return _Prepared(self.advantages[idx][:, :width],
+                         None if self.weights is None else self.weights[idx][:, :width], self.keep[idx][:, :width])
+
+
+@dataclass
+class _Prepass:
+    """The pre-pass over the whole batch: its log-probs and Σπ², the batch-level quantities, and their metrics
+    (correction, then advantages) on those log-probs."""
+
+    logprobs: torch.Tensor
+    sum_pi_sq: torch.Tensor
+    prepared: _Prepared
+    metrics: dict[str, float]
 
 
 def _trim(mb: RolloutBatch) -> RolloutBatch:
@@ -111,102 +113,13 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
     return float((x * mask).sum()) / den if den > 0 else 0.0
 
 
-def _cache_argument() -> str:
-    """Name of the KV-cache argument of transformers models (`cache` in transformers >= 5.2x, else
-    `past_key_values`)."""
-    from transformers.modeling_outputs import CausalLMOutputWithPast
-
-    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
-
-
-def _shared_prompts(batch: RolloutBatch) -> torch.Tensor | None:
-    """Row -> index of its distinct prompt, or None when no two rows share a prompt."""
-    key = torch.cat([batch.prompt_ids, batch.prompt_mask.long()], dim=1)
-    unique, inverse = torch.unique(key, dim=0, return_inverse=True)
-    return inverse if unique.shape[0] < key.shape[0] else None
-
-
-def _full_logits(model, batch: RolloutBatch) -> torch.Tensor:
-    t = batch.response_ids.shape[1]
-    ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
-    attn = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).long()
-    pos = (attn.cumsum(-1) - 1).clamp_min(0)
-    try:
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, logits_to_keep=t + 1)
-    except TypeError:  # models without logits_to_keep
-        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
-    return out.logits[:, -(t + 1):-1]
-
-
-def _shared_prompt_logits(model, batch: RolloutBatch, prompt_of_row: torch.Tensor) -> torch.Tensor | None:
-    """Same logits as `_full_logits`, computing each distinct prompt once: the prompt pass (with grad) builds a
-    KV cache that is indexed out to the rows of that prompt, then the responses run on top of it. With G
-    prompts of length P and B rows of length T this costs G·P + B·T token passes instead of B·(P + T)."""
-    n_prompts = int(prompt_of_row.max()) + 1
-    first = torch.zeros(n_prompts, dtype=torch.long, device=prompt_of_row.device).scatter_(
-        0, prompt_of_row, torch.arange(len(prompt_of_row), device=prompt_of_row.device))
-    p_ids, p_mask = batch.prompt_ids[first], batch.prompt_mask[first].long()
-    p_pos = (p_mask.cumsum(-1) - 1).clamp_min(0)
-    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
-    cache = getattr(out, "cache", None)
-    cache = cache if cache is not None else getattr(out, "past_key_values", None)
-    if cache is None or not hasattr(cache, "batch_select_indices"):
-        return None                                           # this model returns no usable cache
-    first_logits = out.logits[:, -1][prompt_of_row]           # predicts response token 0 of each row
-    t = batch.response_ids.shape[1]
-    if t == 1:
-        return first_logits[:, None]
-    cache.batch_select_indices(prompt_of_row)                 # indexing keeps the graph: grads reach the prompt
-    attn = torch.cat([batch.prompt_mask.long(), batch.response_mask[:, :-1].long()], dim=1)
-    start = p_mask.sum(-1)[prompt_of_row][:, None]
-    pos = start + torch.arange(t - 1, device=start.device)[None]
-    rest = model(input_ids=batch.response_ids[:, :-1], attention_mask=attn, position_ids=pos, use_cache=True,
-                 **{_cache_argument(): cache})
-    return torch.cat([first_logits[:, None], rest.logits], dim=1)
-
-
-def _checkpointing(model) -> bool:
-    """Activation checkpointing disables the KV cache in training mode, so prompts cannot be shared."""
-    import warnings
-
-    with warnings.catch_warnings():   # transformers 5 deprecates the old spelling
-        warnings.simplefilter("ignore")
-        for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-            try:
-                return bool(getattr(model, name))
-            except AttributeError:
-                continue
-    return False
-
-
 def forward_response(model, batch: RolloutBatch, temperature: float, *, with_stats: bool = True,
-                     topk_ids: torch.Tensor | None = None, share_prompts: bool = True) -> _Forward:
-    """Trainer log-probs of the response tokens of `batch` in one forward pass.
-
-    Input = [left-padded prompt | right-padded response]; position ids follow the attention mask (as in
-    generation), so the trainer sees the same positions as the sampler. Only the logits that predict response
-    tokens are computed (`logits_to_keep`). log p = log softmax(z/τ)[y] with τ the sampler's temperature.
-    `share_prompts`: rows with identical prompts (a group) share one prompt pass through a KV cache (same
-    values up to float rounding, much less compute when prompts are long compared with responses).
-    """
-    prompt_of_row = _shared_prompts(batch) if share_prompts else None
-    logits = None
-    if prompt_of_row is not None and not _checkpointing(model):
-        logits = _shared_prompt_logits(model, batch, prompt_of_row)
-    if logits is None:
-        logits = _full_logits(model, batch)
-    logprobs = token_logprobs(logits, batch.response_ids, temperature)
-    topk = None
-    if topk_ids is not None:
-        topk = token_logprobs(logits, topk_ids.clamp(0, logits.shape[-1] - 1), temperature)
-    if with_stats:
-        with torch.no_grad():
-            detached = logits.detach()
-            entropy = entropy_from_logits(detached, temperature)
-            sps = sum_pi_squared(detached, temperature)
-    else:
-        entropy = sps = torch.zeros_like(logprobs)
-    return _Forward(logprobs=logprobs, entropy=entropy, sum_pi_sq=sps, topk_logprobs=topk)
+                     topk_ids: torch.Tensor | None = None, share_prompts: bool = True) -> ResponseForward:
+    """Trainer log-probs (and detached entropy / Σπ², optional top-k log-probs) of the response tokens of
+    `batch` in one forward pass: covrl.models.forward.forward_response on the batch's tensors."""
+    return forward_response_tokens(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                   batch.response_mask, temperature, with_stats=with_stats, topk_ids=topk_ids,
+                                   share_prompts=share_prompts)
 
 
 class Trainer:
@@ -219,7 +132,7 @@ class Trainer:
 
     def __init__(self, model, cfg: TrainConfig, ref_model=None):
         self.model = model
-        self.cfg = cfg
+        self.cfg = cfg   # binds self.algorithm
         self.ref_model = ref_model
         if cfg.kl.coef > 0 and ref_model is None:
             raise ValueError("kl.coef > 0 needs a reference model (Trainer(model, cfg, ref_model=frozen_copy(model)))")
@@ -237,6 +150,16 @@ class Trainer:
         self.optimizer_steps = 0
         self.bad_steps = 0
         self.last_skip_reason: str | None = None
+
+    @property
+    def cfg(self) -> TrainConfig:
+        return self._cfg
+
+    @cfg.setter
+    def cfg(self, cfg: TrainConfig) -> None:
+        # the algorithm is bound once per config; assigning another config (bench variants) rebinds it
+        self._cfg = cfg
+        self.algorithm: Algorithm = bind_algorithm(cfg)
 
     # ------------------------------------------------------------------------------------------ schedule
     def lr_at(self, rollouts: int, batch_rollouts: int | None = None) -> float:
@@ -286,12 +209,13 @@ class Trainer:
                 rewards = rewards - (penalty if rewards.dim() == 1 else cfg.kl.coef * ref_kl)
                 metrics["kl_ref/reward_penalty"] = float(penalty.mean())
 
+        alg = self.algorithm
         plan, aligned = self._plan(batch)
-        prepared = None
-        if not aligned or cfg.correction.is_batch_normalize:
-            prepared = self._prepass(batch, rewards)
+        prepass = None
+        if not aligned or alg.needs_batch_statistics:
+            prepass = self._prepass(batch, rewards)
 
-        need_topk = cfg.algorithm.score_centering
+        need_topk = alg.score_centering
         if need_topk and (batch.sampler_topk_ids is None or batch.sampler_topk_logprobs is None):
             raise ValueError("algorithm.score_centering needs the sampler's top-k (batch.sampler_topk_ids/"
                              "sampler_topk_logprobs); set sampler.return_topk > 0")
@@ -300,9 +224,13 @@ class Trainer:
         full_lp = torch.zeros((rows, width), dtype=torch.float32, device=device)
         full_ent = torch.zeros_like(full_lp)
         full_sps = torch.zeros_like(full_lp)
+        # the per-micro-batch advantages / IS weights / keep-mask, assembled for the step's metrics
+        pieces = None if prepass is not None else _Prepared(
+            torch.zeros_like(full_lp), torch.zeros_like(full_lp) if alg.uses_is_weights else None,
+            torch.zeros_like(full_lp))
         loss_total = 0.0
         loss_metrics: dict[str, float] = {}
-        micro = _MicroNorms(self.params, cfg.algorithm.agg_mode) if self.noise is not None else None
+        micro = _MicroNorms(self.params, alg.agg_mode) if self.noise is not None else None
         t_fb = time.perf_counter()
         for index in plan:
             idx = torch.as_tensor(index, dtype=torch.long, device=device)
@@ -314,10 +242,14 @@ class Trainer:
             full_ent[idx] = _pad_cols(fwd.entropy, width)
             full_sps[idx] = _pad_cols(fwd.sum_pi_sq, width)
             mb_rewards = rewards[idx] if rewards.dim() == 1 else rewards[idx][:, :t]
-            prep = (self._prepare(mb, fwd, mb_rewards) if prepared is None
-                    else _Prepared(prepared.advantages[idx][:, :t],
-                                   None if prepared.weights is None else prepared.weights[idx][:, :t],
-                                   prepared.keep[idx][:, :t]))
+            if prepass is None:
+                prep = self._prepare(mb, fwd, mb_rewards)
+                pieces.advantages[idx] = _pad_cols(prep.advantages, width)
+                pieces.keep[idx] = _pad_cols(prep.keep, width)
+                if prep.weights is not None:
+                    pieces.weights[idx] = _pad_cols(prep.weights, width)
+            else:
+                prep = prepass.prepared.rows(idx, t)
             mb_ref = None if ref_lp is None else ref_lp[idx][:, :t]
             loss, mb_metrics = self._micro_loss(mb, fwd, prep, mb_ref, idx, mask)
             if not torch.isfinite(loss):
@@ -350,7 +282,7 @@ class Trainer:
         t_end = time.perf_counter()
 
         metrics.update(loss_metrics)
-        metrics.update(self._batch_diagnostics(batch, rewards, full_lp, full_ent, full_sps))
+        metrics.update(self._batch_diagnostics(batch, rewards, full_lp, full_ent, full_sps, pieces, prepass))
         if self.noise is not None:
             metrics.update(self.noise.update(grad_norm_sq=grad_norm ** 2, micro_grad_norms_sq=micro.norms_sq,
                                              micro_batch_sizes=micro.sizes, micro_scaled=True))
@@ -404,31 +336,23 @@ class Trainer:
             plan = _halves(list(groups.values()))   # two batch sizes for the noise estimate, same total gradient
         return plan, True
 
-    def _advantage_inputs(self, lp, sps, weights) -> dict[str, Any]:
-        inputs = dict(self.cfg.algorithm.advantage_options)
-        inputs["logprobs"] = lp
-        inputs["sum_pi_sq"] = sps
-        if weights is not None and self.cfg.algorithm.is_weights_in_advantage:
-            inputs["is_weights"] = weights
-        return inputs
-
-    def _is_weights(self, corr) -> torch.Tensor | None:
-        return corr.weights if self.cfg.correction.is_level is not None else None
-
-    def _prepare(self, mb: RolloutBatch, fwd: _Forward, rewards: torch.Tensor) -> _Prepared:
-        """Correction and advantages of a micro-batch that holds whole groups."""
+    def _prepare(self, mb: RolloutBatch, fwd: ResponseForward, rewards: torch.Tensor) -> _Prepared:
+        """Correction and advantages of a micro-batch that holds whole groups (their metrics come later, once,
+        on the full batch)."""
+        alg = self.algorithm
         mask = mb.response_mask.float()
         lp = fwd.logprobs.detach()
-        corr = rollout_correction(lp, mb.sampler_logprobs.float(), mask, self.cfg.correction)
-        weights = self._is_weights(corr)
-        adv = compute_advantages(self.cfg.algorithm.advantage, rewards=rewards, mask=mask, group_ids=mb.group_ids,
-                                 **self._advantage_inputs(lp, fwd.sum_pi_sq, weights))
+        corr = alg.correct(lp, mb.sampler_logprobs.float(), mask, with_metrics=False)
+        weights = alg.is_weights(corr)
+        adv = alg.advantages(rewards=rewards, mask=mask, group_ids=mb.group_ids, logprobs=lp,
+                             sum_pi_sq=fwd.sum_pi_sq, is_weights=weights, with_metrics=False)
         return _Prepared(adv.advantages, weights, corr.keep)
 
     @torch.no_grad()
-    def _prepass(self, batch: RolloutBatch, rewards: torch.Tensor) -> _Prepared:
+    def _prepass(self, batch: RolloutBatch, rewards: torch.Tensor) -> _Prepass:
         """No-grad forward over the whole batch for batch-level statistics (groups split over micro-batches or
         batch-normalised IS weights)."""
+        alg = self.algorithm
         rows, width = batch.response_ids.shape
         device = batch.response_ids.device
         lp = torch.zeros((rows, width), dtype=torch.float32, device=device)
@@ -441,11 +365,11 @@ class Trainer:
             lp[idx] = _pad_cols(fwd.logprobs.float(), width)
             sps[idx] = _pad_cols(fwd.sum_pi_sq, width)
         mask = batch.response_mask.float()
-        corr = rollout_correction(lp, batch.sampler_logprobs.float(), mask, self.cfg.correction)
-        weights = self._is_weights(corr)
-        adv = compute_advantages(self.cfg.algorithm.advantage, rewards=rewards, mask=mask,
-                                 group_ids=batch.group_ids, **self._advantage_inputs(lp, sps, weights))
-        return _Prepared(adv.advantages, weights, corr.keep)
+        corr = alg.correct(lp, batch.sampler_logprobs.float(), mask)
+        weights = alg.is_weights(corr)
+        adv = alg.advantages(rewards=rewards, mask=mask, group_ids=batch.group_ids, logprobs=lp, sum_pi_sq=sps,
+                             is_weights=weights)
+        return _Prepass(lp, sps, _Prepared(adv.advantages, weights, corr.keep), {**corr.metrics, **adv.metrics})
 
     @torch.no_grad()
     def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
@@ -465,22 +389,20 @@ class Trainer:
         and aggregated with the full batch's mask, so the micro-batch losses sum to the full-batch loss."""
         padded = _pad_cols(token_loss.float(), full_mask.shape[1])
         full = torch.zeros(full_mask.shape, dtype=torch.float32, device=padded.device).index_copy(0, idx, padded)
-        return aggregate(full, full_mask, self.cfg.algorithm.agg_mode)
+        return aggregate(full, full_mask, self.algorithm.agg_mode)
 
-    def _micro_loss(self, mb: RolloutBatch, fwd: _Forward, prep: _Prepared, ref_lp: torch.Tensor | None,
+    def _micro_loss(self, mb: RolloutBatch, fwd: ResponseForward, prep: _Prepared, ref_lp: torch.Tensor | None,
                     idx: torch.Tensor, full_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
-        alg = self.cfg.algorithm
-        weights = None if alg.loss in SAMPLER_RATIO_LOSSES else prep.weights
-        out = policy_loss(alg.loss, logprobs=fwd.logprobs, sampler_logprobs=mb.sampler_logprobs.float(),
-                          advantages=prep.advantages, mask=prep.keep, is_weights=weights, agg_mode=alg.agg_mode,
-                          **alg.loss_options)
+        alg = self.algorithm
+        out = alg.policy_loss(logprobs=fwd.logprobs, sampler_logprobs=mb.sampler_logprobs.float(),
+                              advantages=prep.advantages, mask=prep.keep, is_weights=prep.weights)
         loss = self._global(out.token_loss, idx, full_mask)
         metrics = dict(out.metrics)
         metrics.pop("loss/value", None)
         metrics["loss/policy"] = float(loss.detach())
         if alg.score_centering:
-            sc = score_centering_term(fwd.topk_logprobs, mb.sampler_topk_logprobs.float(), prep.advantages,
-                                      prep.keep, truncation=alg.score_centering_truncation, agg_mode=alg.agg_mode)
+            sc = alg.score_centering_term(fwd.topk_logprobs, mb.sampler_topk_logprobs.float(), prep.advantages,
+                                          prep.keep)
             sc_loss = self._global(sc.token_loss, idx, full_mask)
             loss = loss + sc_loss
             metrics.update({k: v for k, v in sc.metrics.items() if k != "score_center/value"})
@@ -495,17 +417,39 @@ class Trainer:
         return loss, metrics
 
     def _batch_diagnostics(self, batch: RolloutBatch, rewards: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor,
-                           sps: torch.Tensor) -> dict[str, float]:
-        """Full-batch metrics from the detached per-token quantities of the step (no extra forward)."""
+                           sps: torch.Tensor, pieces: _Prepared | None, prepass: _Prepass | None) -> dict[str, float]:
+        """Full-batch metrics from the detached per-token quantities of the step (no extra forward) and the
+        correction / advantages it computed: `pieces` assembled from whole-group micro-batches, or the pre-pass.
+
+        The metrics equal those of rollout_correction and compute_advantages run on the full batch with the
+        step's log-probs. The pieces reproduce those values bit for bit only when every quantity of a row is
+        made of that row's own tokens one by one: a row sum (sequence-level IS weights, seq_* rejection
+        criteria, scores of per-token rewards) over a micro-batch's trimmed width can round differently from the
+        sum over the full width, and the pre-pass (other chunks, no grad) can differ from the step's forward by
+        rounding. In those cases the correction / estimator runs once more on the full batch."""
+        alg = self.algorithm
         mask = batch.response_mask.float()
         q = batch.sampler_logprobs.float()
         m: dict[str, float] = {"entropy": masked_mean(ent, mask)}
-        corr = rollout_correction(lp, q, mask, self.cfg.correction)
-        m.update(corr.metrics)
-        weights = self._is_weights(corr)
-        adv = compute_advantages(self.cfg.algorithm.advantage, rewards=rewards, mask=mask, group_ids=batch.group_ids,
-                                 **self._advantage_inputs(lp, sps, weights))
-        m.update(adv.metrics)
+        if prepass is not None and torch.equal(prepass.logprobs, lp) and torch.equal(prepass.sum_pi_sq, sps):
+            m.update(prepass.metrics)          # the pre-pass saw the step's log-probs: its values are the step's
+        else:
+            if pieces is not None and alg.token_local_correction:
+                weights = pieces.weights
+                m.update(alg.correction_metrics(lp, q, mask, mask if weights is None else weights, pieces.keep))
+            else:
+                corr = alg.correct(lp, q, mask)
+                weights = alg.is_weights(corr)
+                m.update(corr.metrics)
+            exact_advantages = pieces is not None and rewards.dim() == 1 and (
+                alg.token_local_weights or not alg.estimator_takes_is_weights)
+            if exact_advantages:
+                m.update(alg.advantage_metrics(rewards=rewards, mask=mask, group_ids=batch.group_ids,
+                                               advantages=pieces.advantages, logprobs=lp, sum_pi_sq=sps,
+                                               is_weights=weights))
+            else:
+                m.update(alg.advantages(rewards=rewards, mask=mask, group_ids=batch.group_ids, logprobs=lp,
+                                        sum_pi_sq=sps, is_weights=weights).metrics)
         if self.cfg.logging.diagnostics:
             m.update(_tangent_metrics(lp, q, rewards, mask, batch.group_ids))
         return m

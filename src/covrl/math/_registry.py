@@ -1,0 +1,65 @@
+"""Registry entries of covrl.math: a registered function, the caller-supplied inputs it accepts and its user
+options, read once from its signature when it is registered (never per call)."""
+
+from __future__ import annotations
+
+import inspect
+import typing
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, create_model
+
+
+@dataclass(frozen=True)
+class Registered:
+    """`name` -> `fn`. `inputs`: the caller-supplied keyword inputs (of the registry's `supplied` set) that `fn`
+    accepts. `options`: every other keyword parameter, name -> inspect.Parameter (annotation resolved), in
+    signature order. `options_model`: a pydantic model of the options (types and defaults), extra keys
+    forbidden."""
+
+    name: str
+    fn: Callable[..., Any]
+    inputs: frozenset[str]
+    options: Mapping[str, inspect.Parameter]
+    options_model: type[BaseModel]
+
+    @classmethod
+    def build(cls, name: str, fn: Callable[..., Any], supplied: frozenset[str], *, positional: int = 0,
+              **extra: Any):
+        """The entry of `fn`; its first `positional` parameters are passed positionally (not inputs or options),
+        `extra`: the fields a subclass adds."""
+        hints = typing.get_type_hints(fn)
+        params = list(inspect.signature(fn).parameters.values())[positional:]
+        keyword = [p for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        options = {p.name: p.replace(annotation=hints.get(p.name, Any)) for p in keyword if p.name not in supplied}
+        fields = {n: (p.annotation, ... if p.default is p.empty else p.default) for n, p in options.items()}
+        model = create_model(f"{name}_options", __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True),
+                             **fields)
+        return cls(name=name, fn=fn, inputs=frozenset(p.name for p in keyword if p.name in supplied),
+                   options=MappingProxyType(options), options_model=model, **extra)
+
+    def describe_options(self) -> str:
+        """`name (type = default), ...` for error messages; '(none)' when the function has no options."""
+        parts = []
+        for n, p in sorted(self.options.items()):
+            kind = _type_name(p.annotation)
+            parts.append(f"{n} ({kind})" if p.default is p.empty else f"{n} ({kind} = {p.default!r})")
+        return ", ".join(parts) or "(none)"
+
+    def unknown_options(self, keys) -> list[str]:
+        return [k for k in keys if k not in self.options]
+
+    def validate_options(self, values: Mapping[str, Any]) -> dict[str, Any]:
+        """The given options, type-checked and coerced by `options_model` (pydantic ValidationError if one is
+        wrong); options left out keep the function's own defaults."""
+        checked = self.options_model.model_validate(dict(values))
+        return {k: getattr(checked, k) for k in values}
+
+
+def _type_name(annotation: Any) -> str:
+    if isinstance(annotation, type):
+        return annotation.__name__
+    return str(annotation).replace("typing.", "").replace("torch.", "").replace("NoneType", "None")

@@ -1,0 +1,145 @@
+"""Forward passes of a causal LM over [left-padded prompt | right-padded response], the transformers KV-cache
+shims, and response decoding: the model plumbing that the trainer, the HF sampler and evaluation share.
+
+Everything takes plain tensors (this layer knows no RolloutBatch); covrl.train.trainer.forward_response and
+covrl.rollout.decode_responses are the batch-taking wrappers.
+"""
+
+from __future__ import annotations
+
+import functools
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from covrl.math import entropy_from_logits, sum_pi_squared, token_logprobs
+
+
+@dataclass
+class ResponseForward:
+    logprobs: torch.Tensor              # [b, t] fp32, carries the gradient when computed with grad
+    entropy: torch.Tensor               # [b, t] detached (zeros without stats)
+    sum_pi_sq: torch.Tensor             # [b, t] detached (zeros without stats)
+    topk_logprobs: torch.Tensor | None  # [b, t, K] with grad (score centring), else None
+
+
+# ------------------------------------------------------------------------------------------ KV-cache shims
+
+@functools.cache
+def cache_argument() -> str:
+    """Name of the KV-cache argument of transformers models (`cache` in transformers >= 5.2x, else
+    `past_key_values`)."""
+    from transformers.modeling_outputs import CausalLMOutputWithPast
+
+    return "cache" if "cache" in CausalLMOutputWithPast.__dataclass_fields__ else "past_key_values"
+
+
+def output_cache(out):
+    """The KV cache of a model output under either spelling, or None when the model returned none."""
+    cache = getattr(out, "cache", None)
+    return cache if cache is not None else getattr(out, "past_key_values", None)
+
+
+def checkpointing(model) -> bool:
+    """Activation checkpointing disables the KV cache in training mode, so prompts cannot be shared."""
+    with warnings.catch_warnings():   # transformers 5 deprecates the old spelling
+        warnings.simplefilter("ignore")
+        for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+            try:
+                return bool(getattr(model, name))
+            except AttributeError:
+                continue
+    return False
+
+
+# ---------------------------------------------------------------------------------------------- forward
+
+def shared_prompts(prompt_ids: torch.Tensor, prompt_mask: torch.Tensor) -> torch.Tensor | None:
+    """Row -> index of its distinct prompt, or None when no two rows share a prompt."""
+    key = torch.cat([prompt_ids, prompt_mask.long()], dim=1)
+    unique, inverse = torch.unique(key, dim=0, return_inverse=True)
+    return inverse if unique.shape[0] < key.shape[0] else None
+
+
+def full_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                response_mask: torch.Tensor) -> torch.Tensor:
+    """Logits [b, t, V] that predict the response tokens, from one pass over every row's prompt and response."""
+    t = response_ids.shape[1]
+    ids = torch.cat([prompt_ids, response_ids], dim=1)
+    attn = torch.cat([prompt_mask, response_mask], dim=1).long()
+    pos = (attn.cumsum(-1) - 1).clamp_min(0)
+    try:
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False, logits_to_keep=t + 1)
+    except TypeError:  # models without logits_to_keep
+        out = model(input_ids=ids, attention_mask=attn, position_ids=pos, use_cache=False)
+    return out.logits[:, -(t + 1):-1]
+
+
+def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                         response_mask: torch.Tensor, prompt_of_row: torch.Tensor) -> torch.Tensor | None:
+    """Same logits as `full_logits`, computing each distinct prompt once: the prompt pass (with grad) builds a
+    KV cache that is indexed out to the rows of that prompt, then the responses run on top of it. With G
+    prompts of length P and B rows of length T this costs G·P + B·T token passes instead of B·(P + T).
+    None when the model returns no usable cache."""
+    n_prompts = int(prompt_of_row.max()) + 1
+    first = torch.zeros(n_prompts, dtype=torch.long, device=prompt_of_row.device).scatter_(
+        0, prompt_of_row, torch.arange(len(prompt_of_row), device=prompt_of_row.device))
+    p_ids, p_mask = prompt_ids[first], prompt_mask[first].long()
+    p_pos = (p_mask.cumsum(-1) - 1).clamp_min(0)
+    out = model(input_ids=p_ids, attention_mask=p_mask, position_ids=p_pos, use_cache=True, logits_to_keep=1)
+    cache = output_cache(out)
+    if cache is None or not hasattr(cache, "batch_select_indices"):
+        return None
+    first_logits = out.logits[:, -1][prompt_of_row]           # predicts response token 0 of each row
+    t = response_ids.shape[1]
+    if t == 1:
+        return first_logits[:, None]
+    cache.batch_select_indices(prompt_of_row)                 # indexing keeps the graph: grads reach the prompt
+    attn = torch.cat([prompt_mask.long(), response_mask[:, :-1].long()], dim=1)
+    start = p_mask.sum(-1)[prompt_of_row][:, None]
+    pos = start + torch.arange(t - 1, device=start.device)[None]
+    rest = model(input_ids=response_ids[:, :-1], attention_mask=attn, position_ids=pos, use_cache=True,
+                 **{cache_argument(): cache})
+    return torch.cat([first_logits[:, None], rest.logits], dim=1)
+
+
+def forward_response(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                     response_mask: torch.Tensor, temperature: float, *, with_stats: bool = True,
+                     topk_ids: torch.Tensor | None = None, share_prompts: bool = True) -> ResponseForward:
+    """Log-probs of the response tokens in one forward pass.
+
+    Input = [left-padded prompt | right-padded response]; position ids follow the attention mask (as in
+    generation), so the trainer sees the same positions as the sampler. Only the logits that predict response
+    tokens are computed (`logits_to_keep`). log p = log softmax(z/τ)[y] with τ the sampler's temperature.
+    `share_prompts`: rows with identical prompts (a group) share one prompt pass through a KV cache (same
+    values up to float rounding, much less compute when prompts are long compared with responses).
+    `with_stats`: also the detached entropy and Σπ² per token; `topk_ids` [b, t, K]: also their log-probs.
+    """
+    prompt_of_row = shared_prompts(prompt_ids, prompt_mask) if share_prompts else None
+    logits = None
+    if prompt_of_row is not None and not checkpointing(model):
+        logits = shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, prompt_of_row)
+    if logits is None:
+        logits = full_logits(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    logprobs = token_logprobs(logits, response_ids, temperature)
+    topk = None
+    if topk_ids is not None:
+        topk = token_logprobs(logits, topk_ids.clamp(0, logits.shape[-1] - 1), temperature)
+    if with_stats:
+        with torch.no_grad():
+            detached = logits.detach()
+            entropy = entropy_from_logits(detached, temperature)
+            sps = sum_pi_squared(detached, temperature)
+    else:
+        entropy = sps = torch.zeros_like(logprobs)
+    return ResponseForward(logprobs=logprobs, entropy=entropy, sum_pi_sq=sps, topk_logprobs=topk)
+
+
+# ----------------------------------------------------------------------------------------------- decoding
+
+def decode_responses(tokenizer, response_ids: torch.Tensor, response_mask: torch.Tensor) -> list[str]:
+    """Text of each response row: the tokens with mask 1, special tokens (EOS) dropped; an empty generation
+    decodes to ''."""
+    return [tokenizer.decode(ids[mask > 0].tolist(), skip_special_tokens=True)
+            for ids, mask in zip(response_ids, response_mask)]
