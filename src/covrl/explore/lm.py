@@ -12,6 +12,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from covrl.models import load_smollm2
+
 LM_BANDIT_FILE = "lm_bandit.jsonl"
 LABELS = {"block": 0, "publish": 1}
 
@@ -94,9 +96,7 @@ def load_lm_bandit_features(cache_dir: Path, model_loader=None) -> tuple[torch.T
         payload = torch.load(path, weights_only=True)
         if payload.get("key") == key:
             return payload["features"], payload["labels"]
-    if model_loader is None:
-        from covrl.models import load_smollm2 as model_loader
-    model, tokenizer = model_loader()
+    model, tokenizer = (model_loader or load_smollm2)()
     features = compute_lm_features(texts, model, tokenizer)
     cache_dir.mkdir(parents=True, exist_ok=True)
     torch.save({"key": key, "features": features, "labels": labels}, path)

@@ -33,12 +33,8 @@ from pydantic import Field, field_validator
 
 from covrl.models.forward import cache_argument, output_cache
 from covrl.models.loading import lora_merge_plan, merge_lora_state_dict
-<<<<<<< HEAD
 from covrl.rollout.types import RolloutBatch, RolloutTiming
-=======
-from covrl.rollout.types import RolloutBatch
 from covrl.settings import Section
->>>>>>> config
 from covrl.tasks.task import PromptTooLongError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
