@@ -207,7 +207,7 @@ EXITS = {
 
 @pytest.mark.parametrize("case", list(EXITS))
 def test_every_exit_of_covrl_train_leaves_a_final_summary(tmp_path, monkeypatch, capsys, case):
-    from covrl.train import sft as sft_module
+    from covrl.train import run as run_module
     from covrl.train import sources as sources_module
 
     extra, fault, code, status, reason = EXITS[case]
@@ -222,7 +222,7 @@ def test_every_exit_of_covrl_train_leaves_a_final_summary(tmp_path, monkeypatch,
         exc = KeyboardInterrupt() if fault == "interrupt" else RuntimeError("boom")
         monkeypatch.setattr(sources_module, "score_rollouts", _at_call(2, exc, sources_module.score_rollouts))
     elif fault == "setup-interrupt":   # Ctrl-C during the SFT warm-up: the run folder exists, no Run yet
-        monkeypatch.setattr(sft_module, "sft_warmup", _at_call(1, KeyboardInterrupt()))
+        monkeypatch.setattr(run_module, "sft_warmup", _at_call(1, KeyboardInterrupt()))
     try:
         if code == 1:   # a bug keeps its traceback
             with pytest.raises(RuntimeError, match="boom"):

@@ -16,6 +16,8 @@ from pathlib import Path
 
 import torch
 
+from covrl.explore.lm import load_lm_bandit_features, pca_reduce
+
 
 @dataclass
 class StepOutcome:
@@ -300,8 +302,6 @@ class LMFeatureBandit(ContextualTable):
                  feature_dim: int = 16, block_penalty: float = 1.0, noise_std: float = 0.0, prior_var: float = 1.0,
                  features: torch.Tensor | None = None, labels: torch.Tensor | None = None):
         super().__init__(S, seed, noise_std)
-        from covrl.explore.lm import load_lm_bandit_features, pca_reduce
-
         if features is None or labels is None:
             features, labels = load_lm_bandit_features(Path(cache_dir))
         feature_dim = _check_int("feature_dim", feature_dim)

@@ -19,7 +19,7 @@ import torch
 
 from covrl.explore.envs import BanditEnv, make_env
 from covrl.explore.linear import EnsembleSampling, LinearEnsemblePP, LinearGreedy, LinearTS
-from covrl.explore.neural import EnsemblePlus, EpiNet, Greedy, NeuralEnsemblePP
+from covrl.explore.neural import EnsemblePlus, EpiNet, Greedy, NeuralConfig, NeuralEnsemblePP
 from covrl.explore.tracking import BandTracker
 
 AGENT_SEED_OFFSET = 10_007  # agents draw from a stream distinct from the environment's
@@ -167,8 +167,6 @@ def run_bandit(env: str, agent: str, *, steps: int, seeds: int, seed: int = 0,
 def agent_options_accepted(name: str) -> set[str]:
     """Option names agent `name` accepts (so a CLI can route --M etc. only where they apply)."""
     import inspect
-
-    from covrl.explore.neural import NeuralConfig
 
     if name not in AGENTS:
         raise ValueError(f"agent={name!r} is not known; allowed: {', '.join(AGENTS)}")

@@ -7,6 +7,7 @@ from typing import Literal
 from pydantic import Field, field_validator, model_validator
 
 from covrl.settings import Section
+from covrl.tasks.registry import TASKS
 
 
 class ArithmeticConfig(Section):
@@ -72,8 +73,6 @@ class TaskConfig(Section):
     @field_validator("name")
     @classmethod
     def _known_task(cls, v: str) -> str:
-        from covrl.tasks.registry import TASKS
-
         if v not in TASKS:
             raise ValueError(f"task.name={v!r}; allowed: {sorted(TASKS)}")
         return v

@@ -27,11 +27,16 @@ from typing import Any
 import numpy as np
 import torch
 
+from covrl.models import frozen_copy, load_model
+from covrl.rollout import build_sampler
 from covrl.settings import dump_config
+from covrl.tasks import build_task
 from covrl.train import checkpoint as ckpt
 from covrl.train.config import TrainConfig
 from covrl.train.data import DataStream
 from covrl.train.evaluate import evaluate
+from covrl.train.plots import plot_curves
+from covrl.train.sft import sft_warmup
 from covrl.train.sinks import ConsoleSink, JsonlSink, TensorBoardSink, WandbSink, read_jsonl, truncate_jsonl
 from covrl.train.trainer import Trainer
 
@@ -245,8 +250,6 @@ class Run:
     def finish(self) -> dict[str, Any]:
         """Draw curves.png (when logging.curves) and write summary.json."""
         if self.cfg.logging.curves:
-            from covrl.train.plots import plot_curves
-
             try:
                 plot_curves(read_jsonl(self.run_dir / "metrics.jsonl"), self.run_dir / "curves.png",
                             evals=self.evals, title=f"{self.run_dir.name}: {self.cfg.algorithm.advantage} + "
@@ -363,11 +366,6 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     that do not load are renamed `corrupt-ckpt-...` with a warning (none loads: CheckpointError, nothing
     changed). A folder with no complete checkpoint (killed before the first one) starts from scratch in place,
     unless it holds a completed run."""
-    from covrl.models import frozen_copy, load_model
-    from covrl.rollout import build_sampler
-    from covrl.tasks import build_task
-    from covrl.train.sft import sft_warmup
-
     t_setup, cpu_setup = time.perf_counter(), time.process_time()
     run_dir = Path(run_dir) if run_dir is not None else choose_run_dir(cfg, config_path=config_path, resume=resume)
     latest = None

@@ -35,6 +35,8 @@ from typing import Any
 
 import torch
 
+from covrl.diagnostics.noise import LOSS_UNITS, GradientNoiseMonitor
+from covrl.diagnostics.tangent import tangent_remainder
 from covrl.math import aggregate, kl_estimate
 from covrl.models.forward import ResponseForward
 from covrl.models.forward import forward_response as forward_response_tokens
@@ -143,7 +145,7 @@ class Trainer:
         self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                            weight_decay=o.weight_decay, **_fused_if_supported(self.params))
         self.surge = LengthSurgeSchedule(cfg.lr_surge, rollouts_per_step=cfg.loop.rollouts_per_step)
-        self.noise = _noise_monitor() if cfg.logging.noise_scale else None
+        self.noise = GradientNoiseMonitor() if cfg.logging.noise_scale else None
         self.temperature = float(cfg.sampler.temperature)
         self.rollouts = 0
         self.version = 0
@@ -533,20 +535,11 @@ def _halves(groups: list[list[int]]) -> list[list[int]]:
     return [first, [row for g in groups[k:] for row in g]]
 
 
-def _noise_monitor():
-    """GradientNoiseMonitor for the §7 split in parameter units (imported here: diagnostics sit above train)."""
-    from covrl.diagnostics.noise import GradientNoiseMonitor
-
-    return GradientNoiseMonitor()
-
-
 class _MicroNorms:
     """Squared norm and size (in the loss's averaging unit) of each micro-batch's contribution to the accumulated
     gradient: ‖.grad after − .grad before‖², with one snapshot of .grad kept between backward passes."""
 
     def __init__(self, params: list[torch.Tensor], agg_mode: str):
-        from covrl.diagnostics.noise import LOSS_UNITS
-
         self.params = params
         self.count_tokens = LOSS_UNITS.get(agg_mode, "rows") == "tokens"
         self.norms_sq: list[float] = []
@@ -578,10 +571,6 @@ _TANGENT_KEYS = ("tangent", "remainder", "gain", "kl_seq", "bound", "bound_ratio
 
 
 def _tangent_metrics(lp, q, rewards, mask, group_ids) -> dict[str, float]:
-    try:
-        from covrl.diagnostics.tangent import tangent_remainder
-    except ImportError:  # pragma: no cover
-        return {}
     try:
         tr = tangent_remainder(lp, q, rewards, mask, group_ids=group_ids)
     except ValueError:  # a -inf log-prob of a sampled token (ppo_clip still steps): a diagnostic must not end the run
