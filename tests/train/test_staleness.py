@@ -200,7 +200,7 @@ def test_sync_every_needs_lag():
 def test_bad_arguments_name_the_field():
     with pytest.raises(ValueError, match="batch_rollouts"):
         StalenessManager(0, 0)
-    with pytest.raises(ValueError, match="max_lag_rollouts"):
+    with pytest.raises(ValueError, match="queue_rollouts"):
         StalenessManager(4, -1)
     mgr = StalenessManager(4, 0)
     with pytest.raises(RuntimeError, match="ready"):
@@ -217,7 +217,7 @@ def test_metrics_by_hand():
 
 
 def test_requeued_chunk_is_handed_out_again_first_with_its_tickets():
-    m = StalenessManager(batch_rollouts=4, max_lag_rollouts=8)
+    m = StalenessManager(batch_rollouts=4, queue_rollouts=8)
     a = m.try_start(4, 0, meta={"rng_before": "A"})
     b = m.try_start(4, 0, meta={"rng_before": "B"})
     m.complete(b, "payload-b")

@@ -67,9 +67,6 @@ class AsyncLoopConfig(Section):
             return int(self.max_staleness_rollouts)
         return int(self.max_staleness_steps) * int(rollouts_per_step)
 
-    def drop_rollouts(self) -> int | None:
-        return self.drop_older_than_rollouts
-
     def chunk_size(self, prompts_per_step: int) -> int:
         """Prompts per generate call; must divide prompts_per_step so that steps consume whole chunks."""
         k = self.chunk_prompts or prompts_per_step

@@ -50,7 +50,7 @@ class AsyncState:
         self.batch_rollouts = lcfg.rollouts_per_step
         self.queue_rollouts = acfg.queue_rollouts(self.batch_rollouts)
         self.manager = StalenessManager(self.batch_rollouts, self.queue_rollouts,
-                                        drop_older_than_rollouts=acfg.drop_rollouts())
+                                        drop_older_than_rollouts=acfg.drop_older_than_rollouts)
         self.cond = threading.Condition()
         self.stop = False
         self.error: BaseException | None = None

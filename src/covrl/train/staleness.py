@@ -15,7 +15,7 @@ version s only if n ≤ capacity, where
     capacity(s) = (s + 1)·B + Q − (accepted + running)
 
 `accepted` counts every completed rollout that was not dropped (consumed or still queued), `running` the
-rollouts being generated, Q = `max_lag_rollouts` (the queue size; Q = η·B gives the classic
+rollouts being generated, Q = `queue_rollouts` (the queue size; Q = η·B gives the classic
 `(η + s + 1)·B − (accepted + running)`). Why it bounds staleness: the rollout's position p in the consumption
 order is at most `accepted + running` at its admission (drops only move it earlier), so p < (s+1)·B + Q and
 it is consumed at step ⌊p/B⌋ ≤ s + ⌈Q/B⌉; its staleness is at most ⌈Q/B⌉ steps (0 when Q = 0: exactly the
@@ -73,23 +73,23 @@ class StalenessManager:
     """Admission control + ticket-ordered queue (pure bookkeeping; the loop adds the locking).
 
     batch_rollouts            B, rollouts per optimizer step
-    max_lag_rollouts          Q, the queue size in rollouts (None: unbounded, no admission control)
+    queue_rollouts          Q, the queue size in rollouts (None: unbounded, no admission control)
     max_running               at most this many rollouts generating at once (None: unbounded)
     drop_older_than_rollouts  D, drop a completed chunk whose staleness·B exceeds D (None: never drop)
     """
 
-    def __init__(self, batch_rollouts: int, max_lag_rollouts: int | None = 0, *, max_running: int | None = None,
+    def __init__(self, batch_rollouts: int, queue_rollouts: int | None = 0, *, max_running: int | None = None,
                  drop_older_than_rollouts: int | None = None) -> None:
         if int(batch_rollouts) < 1:
             raise ValueError(f"batch_rollouts must be >= 1, got {batch_rollouts}")
-        for name, value in (("max_lag_rollouts", max_lag_rollouts), ("max_running", max_running),
+        for name, value in (("queue_rollouts", queue_rollouts), ("max_running", max_running),
                             ("drop_older_than_rollouts", drop_older_than_rollouts)):
             if value is not None and int(value) < 0:
                 raise ValueError(f"{name} must be >= 0 or None, got {value}")
         if max_running is not None and int(max_running) < 1:
             raise ValueError(f"max_running must be >= 1 or None, got {max_running}")
         self.batch_rollouts = int(batch_rollouts)
-        self.max_lag_rollouts = None if max_lag_rollouts is None else int(max_lag_rollouts)
+        self.queue_rollouts = None if queue_rollouts is None else int(queue_rollouts)
         self.max_running = None if max_running is None else int(max_running)
         self.drop_older_than_rollouts = None if drop_older_than_rollouts is None else int(drop_older_than_rollouts)
         self.accepted = 0       # completed, not dropped (queued or consumed)
@@ -106,9 +106,9 @@ class StalenessManager:
     @property
     def staleness_bound_steps(self) -> int | None:
         """⌈Q/B⌉: the most steps any consumed rollout can lag (None when unbounded)."""
-        if self.max_lag_rollouts is None:
+        if self.queue_rollouts is None:
             return None
-        return math.ceil(self.max_lag_rollouts / self.batch_rollouts)
+        return math.ceil(self.queue_rollouts / self.batch_rollouts)
 
     def capacity(self, sampler_version: int) -> int:
         """capacity(s) = (s + m + 1)·B + Q − (accepted + running), also limited by max_running − running, with
@@ -119,9 +119,9 @@ class StalenessManager:
         data (a deadlock). The bound still holds: a rollout admitted at (s, m) is consumed in a batch k ≤ s + m + η,
         when the trainer's version is at most k − m ≤ s + η (skips are never undone)."""
         cap = math.inf
-        if self.max_lag_rollouts is not None:
+        if self.queue_rollouts is not None:
             cap = (int(sampler_version) + self.skipped_batches + 1) * self.batch_rollouts \
-                + self.max_lag_rollouts - (self.accepted + self.running)
+                + self.queue_rollouts - (self.accepted + self.running)
         if self.max_running is not None:
             cap = min(cap, self.max_running - self.running)
         return int(cap) if cap != math.inf else 2**62
