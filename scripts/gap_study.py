@@ -21,6 +21,8 @@ import sys
 import time
 from pathlib import Path
 
+from covrl.repro.common import pyplot, save_figure
+
 ROOT = Path(__file__).resolve().parents[1]
 OUT = ROOT / "runs" / "gap-study"
 FIG = ROOT / "docs" / "results" / "gap-study.png"
@@ -126,10 +128,7 @@ def study_summary(res: dict) -> dict:
 
 
 def plot(study: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
 
     panels = [
         ("reward/mean", "reward (mean)"),
@@ -150,9 +149,7 @@ def plot(study: dict) -> None:
             ax.set_yscale("symlog", linthresh=1e-6)
     axes[0].legend(fontsize=8)
     fig.suptitle("SmolLM2-135M, bf16 sampler / fp32 trainer, seed 0 (gap study)")
-    fig.tight_layout()
-    FIG.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(FIG, dpi=110)
+    save_figure(fig, FIG, dpi=110)
 
 
 def main() -> int:

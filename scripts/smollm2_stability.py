@@ -43,6 +43,12 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
+from covrl.repro import stats
+from covrl.repro.common import jsonable, pyplot, save_figure
+from covrl.repro.harness import Arm, ArmRunner, Step, numeric
+from covrl.repro.lr_surge import eos_suppressing_sampler_builder
+from covrl.train.evaluate import evaluate
+
 ROOT = Path(__file__).resolve().parents[1]
 DEFAULT_CONFIG = ROOT / "configs" / "default.yaml"
 RUNS = ROOT / "runs" / "smollm2-stability"
@@ -100,19 +106,14 @@ def _cpu() -> float:
 
 def drive(cfg, *, run_dir: Path, s: Settings, eval_prompts: int,
           sampled_eval: bool, timing_repeats: int = 0) -> dict[str, Any]:
-    """One run step by step. Returns per-step records, held-out evals before/after, and (timing_repeats > 0) the
-    same-batch OTB/GRPO Trainer.step timing at the end."""
-    from covrl.repro.common import next_scored_batch
-    from covrl.repro.lr_surge import eos_suppressing_sampler_builder
-    from covrl.train.evaluate import evaluate
-    from covrl.train.run import prepare_run
-
+    """One run step by step (covrl.repro.harness). Returns per-step records, held-out evals before/after, and
+    (timing_repeats > 0) the same-batch OTB/GRPO Trainer.step timing at the end."""
     t0, c0 = time.perf_counter(), _cpu()
     force = {"force": False}
     builder = eos_suppressing_sampler_builder(force) if s.force_surge_step is not None else None
-    run = prepare_run(cfg, run_dir=run_dir, console=False, build_sampler_fn=builder)
-    setup = {"wall_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0}
-    try:
+    with ArmRunner(Arm(cfg, run_dir, build_sampler_fn=builder)) as runner:
+        run = runner.run
+        setup = {"wall_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0}
         examples_eval = run.task.eval[:eval_prompts]
 
         def held_out() -> dict[str, Any]:
@@ -124,36 +125,27 @@ def drive(cfg, *, run_dir: Path, s: Settings, eval_prompts: int,
             return out | {"wall_s": time.perf_counter() - t, "cpu_s": _cpu() - c, "n": len(examples_eval),
                           "examples": e["greedy"]["examples"][:3]}
 
-        before = held_out()
-        records = []
-        t_loop, c_loop = time.perf_counter(), _cpu()
-        for step in range(1, cfg.loop.steps + 1):
+        def force_from_step(step: int) -> None:
             force["force"] = s.force_surge_step is not None and step >= s.force_surge_step
-            w0, c = time.perf_counter(), _cpu()
-            batch, _ = next_scored_batch(run)
-            c_gen = _cpu() - c
-            c = _cpu()
-            metrics = run.trainer.step(batch)
-            c_train = _cpu() - c
-            c = _cpu()
-            run.sampler.load_weights(run.model, run.trainer.version)
-            c_sync = _cpu() - c
-            rec = {"step": step, **{k: float(v) for k, v in metrics.items() if isinstance(v, (int, float))},
-                   "forced": float(force["force"]), "response_tokens": float(batch.response_mask.sum()),
-                   "cpu/generate": c_gen, "cpu/trainer_step": c_train, "cpu/step": c_gen + c_train + c_sync,
-                   "wall/step": time.perf_counter() - w0}
-            records.append(rec)
-            run.log(rec)
-            print(f"  {run_dir.name} step {step}: reward {rec['reward/mean']:.3f} len "
+
+        def record(step: Step) -> dict:
+            return {"step": step.index, **numeric(step.metrics), "forced": float(force["force"]),
+                    "response_tokens": float(step.batch.response_mask.sum()), "cpu/generate": step.cpu_generate_s,
+                    "cpu/trainer_step": step.cpu_update_s, "cpu/step": step.cpu_s, "wall/step": step.wall_s}
+
+        def report(step: Step, rec: dict) -> None:
+            print(f"  {run_dir.name} step {step.index}: reward {rec['reward/mean']:.3f} len "
                   f"{rec['response/length_mean']:.1f} gn {rec.get('grad_norm', float('nan')):.3g} "
                   f"k3 {rec.get('mismatch/k3', float('nan')):.2e} lr {rec.get('lr', 0):.2e} "
                   f"cpu {rec['cpu/step']:.1f}s", flush=True)
+
+        before = held_out()
+        t_loop, c_loop = time.perf_counter(), _cpu()
+        records = runner.drive(cfg.loop.steps, before_step=force_from_step, record=record, after_step=report)
         loop = {"wall_s": time.perf_counter() - t_loop, "cpu_s": _cpu() - c_loop}
         force["force"] = False
         after = held_out()
         timing = step_cost(run, cfg, timing_repeats) if timing_repeats > 0 else None
-    finally:
-        run.close()
     return {"records": records, "before": before, "after": after, "setup": setup, "loop": loop,
             "timing": timing, "wall_s": time.perf_counter() - t0, "cpu_s": _cpu() - c0}
 
@@ -236,34 +228,34 @@ def part1_summary(res: dict) -> dict[str, Any]:
         "held_out_greedy_before": res["before"]["greedy"]["accuracy"],
         "held_out_greedy_after": res["after"]["greedy"]["accuracy"],
         "held_out_greedy_length_after": res["after"]["greedy"]["length_mean"],
-        "reward_first5": _mean(r["reward/mean"] for r in recs[:5]),
-        "reward_last5": _mean(r["reward/mean"] for r in recs[-5:]),
-        "reward_last10": _mean(r["reward/mean"] for r in recs[-10:]),
-        "reward_mean": _mean(r["reward/mean"] for r in recs),
+        "reward_first5": stats.mean(r["reward/mean"] for r in recs[:5]),
+        "reward_last5": stats.mean(r["reward/mean"] for r in recs[-5:]),
+        "reward_last10": stats.mean(r["reward/mean"] for r in recs[-10:]),
+        "reward_mean": stats.mean(r["reward/mean"] for r in recs),
         "first_step_reward_ge_0.9": next((r["step"] for r in recs if r["reward/mean"] >= 0.9), None),
-        "length_first5": _mean(r["response/length_mean"] for r in recs[:5]),
-        "length_last5": _mean(r["response/length_mean"] for r in recs[-5:]),
-        "entropy_last5": _mean(r.get("entropy") for r in recs[-5:]),
+        "length_first5": stats.mean(r["response/length_mean"] for r in recs[:5]),
+        "length_last5": stats.mean(r["response/length_mean"] for r in recs[-5:]),
+        "entropy_last5": stats.mean(r.get("entropy") for r in recs[-5:]),
         "skipped_steps": sum(1 for r in recs if r.get("skipped")),
-        "zero_contrast_groups_mean": _mean(r.get("adv/frac_zero_std_groups") for r in recs),
-        "var_power_median": _median(r.get("adv/var_power") for r in contrast),
-        "var_proxy_mean": _mean(r.get("adv/var_proxy_mean") for r in recs),
+        "zero_contrast_groups_mean": stats.mean(r.get("adv/frac_zero_std_groups") for r in recs),
+        "var_power_median": stats.median(r.get("adv/var_power") for r in contrast),
+        "var_proxy_mean": stats.mean(r.get("adv/var_proxy_mean") for r in recs),
         # the trainer's noise monitor (parameter units, two half-batch micro-batches of whole groups)
-        "noise_signal_median": _median(r.get("noise/signal") for r in contrast),
-        "noise_power_median": _median(r.get("noise/power") for r in contrast),
-        "noise_noise_median": _median(r.get("noise/noise") for r in contrast),
+        "noise_signal_median": stats.median(r.get("noise/signal") for r in contrast),
+        "noise_power_median": stats.median(r.get("noise/power") for r in contrast),
+        "noise_noise_median": stats.median(r.get("noise/noise") for r in contrast),
         "noise_nonzero_steps": sum(1 for r in recs if _num(r.get("noise/noise")) > 0),
-        "trace_sigma_median": _median(r.get("noise/trace_sigma") for r in contrast),
-        "grad_sq_median": _median(r.get("noise/grad_sq") for r in contrast),
+        "trace_sigma_median": stats.median(r.get("noise/trace_sigma") for r in contrast),
+        "grad_sq_median": stats.median(r.get("noise/grad_sq") for r in contrast),
         "grad_sq_nonpositive_steps": sum(1 for r in contrast if _num(r.get("noise/grad_sq")) <= 0),
-        "b_simple_median": _median(r.get("noise/b_simple") for r in contrast),
+        "b_simple_median": stats.median(r.get("noise/b_simple") for r in contrast),
         "b_simple_ema_final": _num(recs[-1].get("noise/b_simple_ema")),
-        "cpu_step_mean": _mean(r["cpu/step"] for r in recs),
-        "cpu_generate_mean": _mean(r["cpu/generate"] for r in recs),
-        "cpu_trainer_step_mean": _mean(r["cpu/trainer_step"] for r in recs),
+        "cpu_step_mean": stats.mean(r["cpu/step"] for r in recs),
+        "cpu_generate_mean": stats.mean(r["cpu/generate"] for r in recs),
+        "cpu_trainer_step_mean": stats.mean(r["cpu/trainer_step"] for r in recs),
         "cpu_trainer_step_per_token_ms": 1e3 * sum(r["cpu/trainer_step"] for r in recs)
         / max(1.0, sum(r["response_tokens"] for r in recs)),
-        "wall_step_mean": _mean(r["wall/step"] for r in recs),
+        "wall_step_mean": stats.mean(r["wall/step"] for r in recs),
         "response_tokens_total": sum(r["response_tokens"] for r in recs),
     }
 
@@ -329,27 +321,27 @@ def part2_analysis(res: dict, s: Settings) -> dict[str, Any]:
         "collapse_head_steps": head,
         "final_lr": recs[-1].get("lr"),
         "min_lr_scale": min(r.get("lr_surge/scale", 1.0) for r in recs),
-        "length_first3": _mean(r["response/length_mean"] for r in recs[:3]),
-        "length_last3": _mean(r["response/length_mean"] for r in recs[-3:]),
+        "length_first3": stats.mean(r["response/length_mean"] for r in recs[:3]),
+        "length_last3": stats.mean(r["response/length_mean"] for r in recs[-3:]),
         "first_step_length_ge_1.2x_step1": next((r["step"] for r in recs
                                                  if r["response/length_mean"] >= 1.2 * first_len), None),
         "first_ratio_ge_threshold_any_step": next((r["step"] for r in recs[1:]
                                                    if r["lr_surge/ratio"] >= sched.ratio), None),
-        "reward_first3": _mean(r["reward/mean"] for r in recs[:3]),
-        "reward_last3": _mean(r["reward/mean"] for r in recs[-3:]),
-        "k3_first3": _mean(r.get("mismatch/k3") for r in recs[:3]),
-        "k3_last3": _mean(r.get("mismatch/k3") for r in recs[-3:]),
-        "k3_mean": _mean(r.get("mismatch/k3") for r in recs),
-        "kl_seq_mean": _mean(r.get("kl_seq") for r in recs),
-        "entropy_first3": _mean(r.get("entropy") for r in recs[:3]),
-        "entropy_last3": _mean(r.get("entropy") for r in recs[-3:]),
+        "reward_first3": stats.mean(r["reward/mean"] for r in recs[:3]),
+        "reward_last3": stats.mean(r["reward/mean"] for r in recs[-3:]),
+        "k3_first3": stats.mean(r.get("mismatch/k3") for r in recs[:3]),
+        "k3_last3": stats.mean(r.get("mismatch/k3") for r in recs[-3:]),
+        "k3_mean": stats.mean(r.get("mismatch/k3") for r in recs),
+        "kl_seq_mean": stats.mean(r.get("kl_seq") for r in recs),
+        "entropy_first3": stats.mean(r.get("entropy") for r in recs[:3]),
+        "entropy_last3": stats.mean(r.get("entropy") for r in recs[-3:]),
         "held_out_greedy_before": res["before"]["greedy"]["accuracy"],
         "held_out_greedy_after": res["after"]["greedy"]["accuracy"],
         "held_out_sampled_before": res["before"]["sampled"]["accuracy"],
         "held_out_sampled_after": res["after"]["sampled"]["accuracy"],
         "held_out_greedy_length_before": res["before"]["greedy"]["length_mean"],
         "held_out_greedy_length_after": res["after"]["greedy"]["length_mean"],
-        "cpu_step_mean": _mean(r["cpu/step"] for r in recs),
+        "cpu_step_mean": stats.mean(r["cpu/step"] for r in recs),
         "schedule_consistent": schedule_consistent(recs, sched, sch["base_lr"], sch["rollouts_per_step"]),
     })
     return out
@@ -386,18 +378,8 @@ def schedule_consistent(records: list[dict], sched, base_lr: float, rollouts_per
 
 
 # ------------------------------------------------------------------------------------------------ output
-def _mean(xs) -> float:
-    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
 def _num(x) -> float:
     return float(x) if isinstance(x, (int, float)) else float("nan")
-
-
-def _median(xs) -> float:
-    xs = [x for x in xs if isinstance(x, (int, float)) and math.isfinite(x)]
-    return statistics.median(xs) if xs else float("nan")
 
 
 def _floats(x):
@@ -419,11 +401,7 @@ def slim(res: dict) -> dict:
 
 
 def figure(path: Path, p1: dict, p2: dict) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(2, 4, figsize=(19, 8))
     lrs = list(dict.fromkeys(res["schedule"]["base_lr"] for res in p2.values()))   # in order of appearance
     styles = {lr: ("-o", "--s", ":^", "-.v")[min(i, 3)] for i, lr in enumerate(lrs)}   # one style per lr
@@ -477,10 +455,7 @@ def figure(path: Path, p1: dict, p2: dict) -> None:
     fig.suptitle("SmolLM2-135M-Instruct, one-digit addition. Top: OTB vs GRPO (default config; lighter = later "
                  "seed). Bottom: length-surge runs (bf16 sampler, aggressive lr, 48 new tokens; lighter = later seed)",
                  fontsize=10)
-    fig.tight_layout()
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(path, dpi=95)
-    plt.close(fig)
+    save_figure(fig, path, dpi=95)
 
 
 def summarise(result: dict, s: Settings) -> dict:
@@ -516,8 +491,8 @@ def across_seeds(p1: dict) -> dict[str, Any]:
         per = {arm: [val(arm, sd, key) for sd in seeds] for arm in ("otb", "grpo")}
         diff = [a - b for a, b in zip(per["otb"], per["grpo"])]
         name = f"contrast_{key}" if key in ("cv", "spikes") else key
-        out[name] = {"otb": per["otb"], "grpo": per["grpo"], "otb_mean": _mean(per["otb"]),
-                     "grpo_mean": _mean(per["grpo"]), "diff": diff, "diff_mean": _mean(diff),
+        out[name] = {"otb": per["otb"], "grpo": per["grpo"], "otb_mean": stats.mean(per["otb"]),
+                     "grpo_mean": stats.mean(per["grpo"]), "diff": diff, "diff_mean": stats.mean(diff),
                      "diff_std": statistics.stdev(diff) if len(diff) > 1 else 0.0}
     timed = {k: v["timing"] for k, v in p1.items() if v.get("timing")}
     out["same_batch_cost"] = {k: {"cpu_ratio": v["cpu_ratio_otb_over_grpo"], "wall_ratio": v["wall_ratio_otb_over_grpo"],
@@ -628,8 +603,6 @@ def _with_run_folder(per_step: list[dict], path: Path) -> list[dict]:
 
 
 def _write(result: dict, out: Path, name: str = "smollm2-stability") -> dict:
-    from covrl.repro.common import jsonable
-
     out.mkdir(parents=True, exist_ok=True)
     (out / f"{name}.json").write_text(json.dumps(jsonable(result), indent=1))
     if result["part1"] or result["part2"]:

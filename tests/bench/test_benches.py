@@ -1,5 +1,6 @@
 """Smoke tests of `covrl bench`: each benchmark's --quick mode runs on the tiny model and writes its JSON and
-table. Timings are never asserted; the TRL comparison's loss/gradient agreement is (it is math, not speed)."""
+table. Timings are never asserted; the TRL comparison's loss/gradient agreement is, in test_trl_parity.py (it is
+math, not speed)."""
 
 from __future__ import annotations
 
@@ -35,7 +36,7 @@ def run_bench(name: str, out: Path, cache: Path, *extra: str) -> dict:
     return payload["results"]
 
 
-def test_trl_quick_runs_both_sides_and_losses_agree(tmp_path, cache_dir):
+def test_trl_quick_runs_both_sides(tmp_path, cache_dir):
     res = run_bench("trl", tmp_path, cache_dir)
     for side in ("covrl", "trl"):
         s = res["summary"][side]
@@ -43,12 +44,6 @@ def test_trl_quick_runs_both_sides_and_losses_agree(tmp_path, cache_dir):
         assert s["peak_rss_mb"] > 0
     assert res["ratios"]["throughput_covrl_over_trl"] > 0
     assert res["ready"]["trl"]["prompt_roundtrip_ok"]  # TRL conditions on the very same prompt ids
-    agree = res["agreement"]
-    # covrl's grpo advantages + ppo_clip token-mean loss = TRL's GRPO loss: same gradient on a shared batch
-    assert agree["grad_norm_trl"] > 0
-    assert agree["grad_rel_diff"] < 1e-5
-    assert agree["advantage_max_diff"] < 1e-5
-    assert agree["loss_abs_diff"] < 1e-6
 
 
 def test_step_quick_covers_every_variant(tmp_path, cache_dir):

@@ -6,8 +6,10 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+from covrl.repro.presets import preset_path
+
 REPO = Path(__file__).resolve().parents[2]
-TINY = REPO / "configs" / "tiny.yaml"
+TINY = preset_path("tiny")
 REWARDS = Path(__file__).resolve().parent / "_hostile_rewards.py"
 
 

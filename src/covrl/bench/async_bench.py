@@ -21,6 +21,9 @@ import os
 import time
 from pathlib import Path
 
+from covrl.config import load_config
+from covrl.repro.presets import load_preset, override_strings
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="tiny", choices=["tiny", "smollm2"])
@@ -39,8 +42,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def _config(args, mode: str, run_root: Path):
-    from covrl.config import load_config
-
     over = {
         "run.output_dir": str(run_root), "run.name": f"bench-{mode}", "run.num_threads": args.threads,
         "loop.mode": "async" if mode == "process" else mode, "loop.steps": args.steps,
@@ -54,13 +55,15 @@ def _config(args, mode: str, run_root: Path):
     }
     if args.chunk_prompts:
         over["async_loop.chunk_prompts"] = args.chunk_prompts
-    if args.model == "tiny":
-        over.update({"model.source": "tiny", "model.tiny.hidden_size": 128, "model.tiny.num_layers": 4,
-                     "model.tiny.max_positions": 64, "task.chat_template": False, "sft_warmup.steps": args.sft_steps,
-                     "optim.lr": 1e-3, "optim.micro_batch_size": 64})
-    else:
+    if args.model == "smollm2":
         over.update({"model.source": "smollm2", "optim.lr": 2e-5, "optim.micro_batch_size": 16})
-    return load_config(None, [f"{k}={v}" for k, v in over.items()])
+        return load_config(None, override_strings(over))
+    # the tiny preset with a 4-layer, 128-wide model on one-digit addition, a short warm-up so rewards vary
+    over.update({"model.tiny.hidden_size": 128, "model.tiny.num_layers": 4, "model.tiny.intermediate_size": 256,
+                 "task.arithmetic.num_terms": 2, "task.n_train": 1000, "task.n_eval": 50,
+                 "sft_warmup.steps": args.sft_steps, "sft_warmup.lr": 1e-3, "sft_warmup.batch_size": 32,
+                 "optim.lr": 1e-3, "optim.micro_batch_size": 64})
+    return load_preset("tiny", over)
 
 
 def _measure(mode: str, cfg, records_key: str = "metrics.jsonl") -> dict:

@@ -1,10 +1,12 @@
-"""Machine description and result writing shared by the benchmarks."""
+"""Machine and source description, process measurements and result writing shared by the benchmarks."""
 
 from __future__ import annotations
 
 import json
 import os
 import platform
+import resource
+import subprocess
 import time
 from pathlib import Path
 from typing import Any
@@ -44,3 +46,26 @@ def write_bench(name: str, results: dict[str, Any], table: str, out_dir: Path = 
     (out_dir / f"{name}.md").write_text(f"# bench {name} ({stamp})\n\n{table}\n")
     print(table)
     return path
+
+
+def source_state() -> dict[str, Any]:
+    """The git commit of the covrl source tree and the files of src/ that differ from it (benchmarks run on
+    a tree other engineers edit, so a result names the code it measured)."""
+    here = Path(__file__).resolve().parent
+    try:
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
+                                timeout=10).stdout.strip() or None
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
+                                 cwd=here.parent, capture_output=True, text=True, timeout=10).stdout.split("\n")
+    except (OSError, subprocess.SubprocessError):
+        return {"commit": None, "modified": []}
+    return {"commit": commit, "modified": sorted(line[3:] for line in changed if line.strip())}
+
+
+def rss_peak_mb() -> float:
+    """Peak resident set size of this process in MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def load1() -> float:
+    return os.getloadavg()[0]

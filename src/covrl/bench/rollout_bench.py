@@ -18,6 +18,10 @@ import argparse
 import statistics
 import time
 
+from covrl.bench.common import source_state
+from covrl.bench.models import DEFAULT_CACHE, load_model
+from covrl.bench.settings import StepSettings, build_bench_task, default_task_overrides
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", choices=["tiny", "smollm2"])
@@ -122,21 +126,20 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from covrl.bench import _trl
     from covrl.bench.common import write_bench
 
     if args.quick:
         args.model, args.batch_sizes, args.max_new_tokens, args.repeats = "tiny", "1,8", 8, 1
     torch.set_num_threads(args.threads)
-    cache = args.cache_dir or _trl.DEFAULT_CACHE
+    cache = args.cache_dir or DEFAULT_CACHE
     bandwidth = measure_bandwidth(64 if args.quick else 512)
     flops = measure_matmul_flops(256 if args.quick else 1024, dtype=args.dtype)
-    model, tokenizer = _trl.load_model(args.model, cache, args.dtype)
+    model, tokenizer = load_model(args.model, cache, args.dtype)
     model.eval()
     costs = decode_costs(model)
-    settings = _trl.StepSettings(model=args.model, max_new_tokens=args.max_new_tokens,
-                                 task=_trl.default_task_overrides(args.model))
-    _, prompts = _trl.build_bench_task(settings, tokenizer)
+    settings = StepSettings(model=args.model, max_new_tokens=args.max_new_tokens,
+                                 task=default_task_overrides(args.model))
+    _, prompts = build_bench_task(settings, tokenizer)
 
     from covrl.rollout import SamplerConfig, build_sampler
 
@@ -183,7 +186,7 @@ def run(args: argparse.Namespace) -> int:
         row["mean_load1"] = statistics.fmean(r["load1"] for rs in runs.values() for r in rs)
         rows.append(row)
 
-    results = {"source": _trl.source_state(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
+    results = {"source": source_state(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
                "max_new_tokens": args.max_new_tokens, "bandwidth_GB_s": bandwidth / 1e9,
                "matmul_GFLOP_s": flops / 1e9, **costs, "rows": rows}
     header = ("| B (rows/prompt) | covrl tok/s | generate tok/s | covrl/generate | bandwidth bound | compute bound "

@@ -21,6 +21,10 @@ import argparse
 import statistics
 import time
 
+from covrl.bench.common import source_state
+from covrl.bench.models import DEFAULT_CACHE, load_model
+from covrl.bench.settings import StepSettings, bench_train_config, default_task_overrides
+
 # name -> config sections (dicts) merged over the plain step; "needs" lists extra inputs
 VARIANTS: dict[str, dict] = {
     "plain (grpo + covariance)": {},
@@ -123,7 +127,6 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from covrl.bench import _trl
     from covrl.bench.common import write_bench
     from covrl.models import frozen_copy
     from covrl.train.trainer import Trainer
@@ -132,7 +135,7 @@ def run(args: argparse.Namespace) -> int:
         args.model, args.micro_batches, args.lengths, args.rows, args.repeats = "tiny", "4", "8", 8, 1
         args.group_size, args.micro_batch, args.response_length, args.prompt_length = 4, 8, 8, 8
     torch.set_num_threads(args.threads)
-    model, tokenizer = _trl.load_model(args.model, args.cache_dir or _trl.DEFAULT_CACHE)
+    model, tokenizer = load_model(args.model, args.cache_dir or DEFAULT_CACHE)
     model.train()
     vocab = model.config.vocab_size
 
@@ -172,9 +175,9 @@ def run(args: argparse.Namespace) -> int:
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
         raise SystemExit(f"--variants: unknown {unknown}; allowed: {list(VARIANTS)}")
-    settings = _trl.StepSettings(model=args.model, n_prompts=max(1, args.rows // args.group_size),
+    settings = StepSettings(model=args.model, n_prompts=max(1, args.rows // args.group_size),
                                  group_size=args.group_size, learning_rate=1e-9,
-                                 task=_trl.default_task_overrides(args.model))
+                                 task=default_task_overrides(args.model))
     base = {"algorithm": {"advantage": "grpo", "loss": "covariance"},
             "optim": {"lr": 1e-9, "micro_batch_size": args.micro_batch, "max_grad_norm": 1.0},
             "loop": {"steps": 1000, "prompts_per_step": settings.n_prompts, "group_size": args.group_size},
@@ -184,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
         sections = {k: dict(v) for k, v in base.items()}
         for key, val in VARIANTS[name].items():
             sections[key] = {**sections.get(key, {}), **val}
-        cfgs[name] = _trl.bench_train_config(settings, **sections)
+        cfgs[name] = bench_train_config(settings, **sections)
     trainer = Trainer(model, cfgs[names[0]])
     ref = frozen_copy(model) if any(c.kl.coef > 0 for c in cfgs.values()) else None
     batch = synthetic_batch(model, vocab, args.rows, args.prompt_length, args.response_length, args.group_size)
@@ -211,7 +214,7 @@ def run(args: argparse.Namespace) -> int:
         variants.append({"variant": name, "step_s": med, "forward_backward_s": fb, "optimizer_s": opt,
                          "other_s": med - fb - opt, "overhead_vs_plain": med / plain_s - 1.0, "runs": rs})
 
-    results = {"source": _trl.source_state(), "model": args.model, "threads": args.threads, "grid": grid, "variants": variants,
+    results = {"source": source_state(), "model": args.model, "threads": args.threads, "grid": grid, "variants": variants,
                "prompt_sharing": prefix,
                "variant_batch": {"rows": args.rows, "prompt_length": args.prompt_length,
                                  "response_length": args.response_length, "micro_batch": args.micro_batch,

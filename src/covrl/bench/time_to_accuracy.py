@@ -17,6 +17,17 @@ a side that does not reach the target within `budget_s` is reported as not reach
 from __future__ import annotations
 
 import argparse
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+from covrl.bench.alternate import run_alternating
+from covrl.bench.common import source_state, write_bench
+from covrl.bench.models import DEFAULT_CACHE, model_dir
+from covrl.bench.settings import StepSettings
+from covrl.config import dump_config, load_config
+from covrl.repro.presets import load_preset
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -48,30 +59,24 @@ def _progress(text: str) -> None:
     print(text, file=sys.stderr, flush=True)
 
 
+def quick_config(model_folder: str):
+    """--quick: the tiny preset on the cached tiny model folder, two short steps per side (exercises the
+    machinery). The model, warm-up, loop, sampler and optim sections are replaced whole (what they do not name is
+    at its default), as the quick run has always been configured."""
+    return load_preset("tiny", {
+        "model": {"source": "hf", "path": model_folder}, "sft_warmup": {"steps": 0},
+        "loop": {"steps": 2, "prompts_per_step": 2, "group_size": 2},
+        "sampler": {"max_new_tokens": 4, "max_batch": 8}, "optim": {"micro_batch_size": 4},
+        "task.chat_template": False, "task.n_train": 20, "task.n_eval": 4,
+    })
+
+
 def run(args: argparse.Namespace) -> int:
-    import os
-    import shutil
-    import tempfile
-    from pathlib import Path
-
-    import yaml
-
-    from covrl.bench import _trl
-    from covrl.bench.common import write_bench
-    from covrl.config import load_config
-
-    cache = str(args.cache_dir or _trl.DEFAULT_CACHE)
+    cache = str(args.cache_dir or DEFAULT_CACHE)
     config_path = args.covrl_config
     if args.quick:
-        # the tiny config on the cached tiny model folder, two short steps per side: exercises the machinery
-        tiny_yaml = Path(__file__).resolve().parents[3] / "configs" / "tiny.yaml"  # the repo's configs/
-        base = yaml.safe_load(tiny_yaml.read_text()) if tiny_yaml.is_file() else {}
-        base.update({"model": {"source": "hf", "path": str(_trl.model_dir("tiny", cache))},
-                     "sft_warmup": {"steps": 0}, "loop": {"steps": 2, "prompts_per_step": 2, "group_size": 2},
-                     "sampler": {"max_new_tokens": 4, "max_batch": 8}, "optim": {"micro_batch_size": 4}})
-        base["task"] = {**base.get("task", {}), "chat_template": False, "n_train": 20, "n_eval": 4}
         tmp = Path(tempfile.mkdtemp(prefix="covrl-tta-quick-")) / "tiny-quick.yaml"
-        tmp.write_text(yaml.safe_dump(base))
+        tmp.write_text(dump_config(quick_config(str(model_dir("tiny", cache)))))
         config_path = str(tmp)
         args.trl_prompts, args.trl_group_size, args.max_new_tokens = 2, 2, 4
         args.budget_s, args.eval_interval_s, args.eval_prompts = 0.0, 1e-9, 4
@@ -80,17 +85,17 @@ def run(args: argparse.Namespace) -> int:
     common = dict(model=model, cache_dir=cache, threads=args.threads, seed=cfg.run.seed,
                   max_new_tokens=args.max_new_tokens, warmup_steps=0, eval_interval_s=args.eval_interval_s,
                   eval_prompts=args.eval_prompts, target_accuracy=args.target, budget_s=args.budget_s,
-                  task=cfg.task.model_dump(mode="json"), check_loss=False)
+                  task=cfg.task.model_dump(mode="json"))
     max_steps = 2 if args.quick else 10_000
     per_side = {
-        "covrl": _trl.StepSettings(**common, steps=max_steps, covrl_config=config_path),
-        "trl": _trl.StepSettings(**common, steps=max_steps, n_prompts=args.trl_prompts,
+        "covrl": StepSettings(**common, steps=max_steps, covrl_config=config_path),
+        "trl": StepSettings(**common, steps=max_steps, n_prompts=args.trl_prompts,
                                  group_size=args.trl_group_size, learning_rate=args.trl_lr),
     }
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
     load_before = os.getloadavg()
-    timing = _trl.run_alternating({s: per_side[s] for s in sides}, sides, timeout_s=7200.0, progress=_progress)
-    results = {"source": _trl.source_state(), "target": args.target, "budget_s": args.budget_s, "eval_interval_s": args.eval_interval_s,
+    timing = run_alternating({s: per_side[s] for s in sides}, sides, timeout_s=7200.0, progress=_progress)
+    results = {"source": source_state(), "target": args.target, "budget_s": args.budget_s, "eval_interval_s": args.eval_interval_s,
                "covrl_config": cfg.model_dump(mode="json"), "covrl_config_path": config_path,
                "trl_settings": vars(per_side["trl"]), "load_before": load_before, "load_after": os.getloadavg(),
                "sides": {}}

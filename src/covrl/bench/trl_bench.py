@@ -10,13 +10,21 @@ hits both alike. Reported per side: median step time and generation time, rollou
 peak RSS; and covrl/TRL ratios. Both sides do the same rollouts per step, so the throughput ratio is the
 ratio of median step times; tokens/s also depend on how long the sampled completions happen to be.
 
-Before timing, `--check-loss` (on by default) verifies the per-step math agrees: on one shared batch, TRL's
-own `compute_loss` and covrl's `compute_advantages('grpo')` + `policy_loss('ppo_clip')` give the loss and the
-gradient (reported: relative differences)."""
+That the two sides compute the same step (TRL's own `compute_loss` and covrl's `compute_advantages('grpo')` +
+`policy_loss('ppo_clip')` give the same loss and gradient on a shared batch) is a test:
+tests/bench/test_trl_parity.py."""
 
 from __future__ import annotations
 
 import argparse
+import os
+import sys
+from pathlib import Path
+
+from covrl.bench.alternate import WORKERS, run_alternating
+from covrl.bench.common import source_state, write_bench
+from covrl.bench.models import DEFAULT_CACHE
+from covrl.bench.settings import StepSettings, default_task_overrides
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -29,49 +37,35 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--lr", type=float, default=1e-5)
     parser.add_argument("--threads", type=int, default=1, help="torch threads per side")
     parser.add_argument("--sides", default="covrl,trl", help="which sides to run (comma-separated)")
-    parser.add_argument("--no-check-loss", dest="check_loss", action="store_false",
-                        help="skip the loss/gradient agreement check")
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
     parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps, short completions (tests)")
 
 
-def settings_from_args(args: argparse.Namespace):
-    from covrl.bench import _trl
-
+def settings_from_args(args: argparse.Namespace) -> StepSettings:
     if args.quick:
         args.model, args.steps, args.warmup_steps, args.prompts, args.group_size, args.max_new_tokens = (
             "tiny", 2, 1, 2, 2, 6)
-    return _trl.StepSettings(
-        model=args.model, cache_dir=str(args.cache_dir or _trl.DEFAULT_CACHE), threads=args.threads,
+    return StepSettings(
+        model=args.model, cache_dir=str(args.cache_dir or DEFAULT_CACHE), threads=args.threads,
         n_prompts=args.prompts, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
         learning_rate=args.lr, warmup_steps=args.warmup_steps, steps=args.steps,
-        task=_trl.default_task_overrides(args.model),
+        task=default_task_overrides(args.model),
     )
 
 
 def _progress(text: str) -> None:
-    import sys
-
     print(text, file=sys.stderr, flush=True)
 
 
 def run(args: argparse.Namespace) -> int:
-    import os
-    from pathlib import Path
-
-    from covrl.bench import _trl
-    from covrl.bench.common import write_bench
-
     settings = settings_from_args(args)
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
-    unknown = set(sides) - set(_trl.WORKERS)
+    unknown = set(sides) - set(WORKERS)
     if unknown:
-        raise SystemExit(f"--sides: unknown {sorted(unknown)}; allowed: {', '.join(_trl.WORKERS)}")
+        raise SystemExit(f"--sides: unknown {sorted(unknown)}; allowed: {', '.join(WORKERS)}")
     load_before = os.getloadavg()
-    settings.check_loss = args.check_loss and "trl" in sides
-    timing = _trl.run_alternating(settings, sides, progress=_progress)
-    agreement = timing["ready"].get("trl", {}).get("agreement")
+    timing = run_alternating(settings, sides, progress=_progress)
     summary = timing["summary"]
     ratios = {}
     if "covrl" in summary and "trl" in summary:
@@ -84,8 +78,8 @@ def run(args: argparse.Namespace) -> int:
             "trained_tokens_per_s_covrl_over_trl": c["trained_tokens_per_s"] / t["trained_tokens_per_s"],
             "peak_rss_covrl_over_trl": c["peak_rss_mb"] / t["peak_rss_mb"],
         }
-    results = {"source": _trl.source_state(), "settings": vars(settings) | {"batch_size": settings.batch_size}, "sides": sides,
-               "load_before": load_before, "load_after": os.getloadavg(), "agreement": agreement,
+    results = {"source": source_state(), "settings": vars(settings) | {"batch_size": settings.batch_size}, "sides": sides,
+               "load_before": load_before, "load_after": os.getloadavg(),
                "ratios": ratios, **timing}
     rows = ["| side | median step s | median gen s | rollouts/s | gen tok/s | trained tok/s | end-to-end tok/s | gen tokens/step | "
             "peak RSS MiB | mean reward | load |", "|---|---|---|---|---|---|---|---|---|---|---|"]
@@ -102,10 +96,6 @@ def run(args: argparse.Namespace) -> int:
                   f"{ratios['trained_tokens_per_s_covrl_over_trl']:.2f}x; end-to-end tokens/s "
                   f"{ratios['end_to_end_tokens_per_s_covrl_over_trl']:.2f}x; peak RSS covrl/TRL "
                   f"{ratios['peak_rss_covrl_over_trl']:.2f}.")
-    if agreement:
-        table += (f"\nLoss agreement on a shared batch: |loss diff| {agreement['loss_abs_diff']:.2e} "
-                  f"(TRL {agreement['trl_loss']:.6f}, covrl {agreement['covrl_loss']:.6f}); grad rel. diff "
-                  f"{agreement['grad_rel_diff']:.2e}; advantage max diff {agreement['advantage_max_diff']:.2e}.")
     table += (f"\n\nmodel {settings.model}, {settings.n_prompts} prompts x {settings.group_size} completions, "
               f"{settings.max_new_tokens} new tokens, {settings.threads} thread(s), {settings.steps} timed steps "
               f"after {settings.warmup_steps} warm-up; load1 before {load_before[0]:.1f}.\n")

@@ -1,5 +1,5 @@
 """Small shared pieces of the geometry reproductions (output-rank, reach, sparsity, covariance): a tiny
-transformer briefly trained on fixed-width addition, a fixed-length sampler for it, and plotting setup."""
+transformer briefly trained on fixed-width addition, and a fixed-length sampler for it."""
 
 from __future__ import annotations
 
@@ -9,16 +9,6 @@ PROMPT_LEN = 6  # "ab+cd=" after BOS
 ANSWER_LEN = 4  # "xyz\n": three zero-padded digits and a newline
 # SFT steps of the shared tiny model; the fast variants share one (cached) model per process
 PRETRAIN_STEPS = {True: 90, False: 400}
-
-
-def plt():
-    """matplotlib.pyplot with the Agg backend."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as pyplot
-
-    return pyplot
 
 
 def addition_text(a: int, b: int) -> tuple[str, str]:

@@ -34,6 +34,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from covrl.models import load_model
+from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.presets import DRIVEN, ONE_DIGIT_ADDITION, load_preset
+from covrl.repro.stats import paired_ratio_ci
+from covrl.tasks import build_task
+from covrl.train.sft import sft_warmup
+
 CLAIM = ("The sampler–trainer gap is an engine floor plus staleness; on a data clock, a step size that follows "
          "the optimizer (SGD ∝ B, Adam ∝ √B) and a queue sized in rollouts keep the gap fixed as the batch grows.")
 
@@ -83,8 +92,6 @@ def toy_gap(optimizer: str, rule: str, batch: int, s: ToySettings, *, lag_in_rol
     ascent with SGD (θ += lr·g) or Adam (β = beta1, 0.999, ε = 1e-8); lr = lr_for_batch(base_lr, B0, B, rule).
     L = Q/B (lag_in_rollouts) or fixed_lag_steps. Returns gap (mean over window and seeds), its standard error
     over seeds, and the mean parameter drift ‖θ_k − θ_{k−L}‖."""
-    import torch
-
     from covrl.train.batch_scaling import lr_for_batch
 
     g = torch.Generator().manual_seed(10_000 + seed)
@@ -186,7 +193,6 @@ TINY_FULL = TinySettings(base_prompts=1, group_size=8, scales=(1, 4, 16), queue=
 @dataclass
 class TinyBase:
     """A tiny Llama after a short supervised warm-up (so that rewards are not all zero), shared by all runs."""
-
     cfg: Any
     model: Any
     tokenizer: Any
@@ -195,25 +201,20 @@ class TinyBase:
     records: dict = field(default_factory=dict)
 
 
+def tiny_base_config(t: TinySettings, seed: int):
+    """The tiny preset on one-digit addition (8 held-out prompts), GRPO + covariance loss without grad-norm
+    clipping, the model of `t`, a `t.sft_steps` supervised warm-up; the loop fields are set per run."""
+    return load_preset("tiny", {
+        **ONE_DIGIT_ADDITION, **DRIVEN, "run.name": None, "run.seed": seed, "task.n_eval": 8,
+        "model.tiny.hidden_size": t.hidden, "model.tiny.num_layers": t.layers,
+        "model.tiny.intermediate_size": 2 * t.hidden, "sft_warmup.steps": t.sft_steps,
+        "algorithm.advantage": "grpo", "optim.lr": 1e-5, "optim.micro_batch_size": 128,
+        "optim.max_grad_norm": None, "loop.steps": 40, "loop.prompts_per_step": 8, "loop.group_size": t.group_size,
+    })
+
+
 def tiny_base(out_dir: Path, t: TinySettings, seed: int) -> TinyBase:
-    import torch
-
-    from covrl.config import load_config
-    from covrl.models import load_model
-    from covrl.tasks import build_task
-    from covrl.train.sft import sft_warmup
-
-    overrides = {
-        "run.seed": seed, "run.num_threads": 1, "model.source": "tiny", "model.tiny.hidden_size": t.hidden,
-        "model.tiny.num_layers": t.layers, "model.tiny.num_heads": 4, "model.tiny.intermediate_size": 2 * t.hidden,
-        "model.tiny.max_positions": 64, "task.name": "arithmetic", "task.chat_template": False,
-        "task.n_train": 1000, "task.n_eval": 8, "sampler.max_new_tokens": 4, "sampler.max_batch": 128,
-        "sft_warmup.steps": t.sft_steps, "sft_warmup.lr": 3e-3, "sft_warmup.batch_size": 64,
-        "optim.micro_batch_size": 128, "eval.before": False, "eval.after": False, "logging.console": False,
-        "logging.curves": False, "checkpoint.at_end": False, "loop.group_size": t.group_size,
-        "algorithm.advantage": "grpo", "algorithm.loss": "covariance", "optim.max_grad_norm": None,
-    }
-    cfg = load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+    cfg = tiny_base_config(t, seed)
     torch.manual_seed(seed)
     model, tokenizer = load_model(cfg.model, seed=seed)
     task = build_task(cfg.task)
@@ -226,8 +227,6 @@ def tiny_run(base: TinyBase, name: str, *, prompts: int, queue: int, lr: float, 
              beta1: float = 0.9, keep_metrics: bool = True) -> tuple[list[dict], dict, Any]:
     """One deterministic async run (serial emulation) from the shared warm-started weights; returns the
     per-step records, the summary and the trained model."""
-    import torch
-
     from covrl.train.async_config import AsyncLoopConfig
     from covrl.train.async_loop import build_async_sampler, train_async
     from covrl.train.data import DataStream
@@ -288,29 +287,6 @@ def tiny_burn_in(base: TinyBase, t: TinySettings, seed: int) -> tuple[TinyBase, 
             "entropy_last_quarter": mean("entropy", records[-quarter:])}
     return TinyBase(cfg=base.cfg, model=model, tokenizer=base.tokenizer, task=base.task,
                     runs_dir=base.runs_dir), info
-
-
-def _window_mean(records: list[dict], key: str, first: int) -> float:
-    vals = [r[key] for r in records[first:] if isinstance(r.get(key), (int, float))]
-    return float(statistics.fmean(vals)) if vals else float("nan")
-
-
-def paired_ratio_ci(per_seed: dict[int, list[float]], base_batch: int, *, draws: int = 2000,
-                    seed: int = 0) -> dict[int, tuple[float, float]]:
-    """95% bootstrap interval of mean_s gap_s(B) / mean_s gap_s(B0), resampling seeds jointly for all B (the runs
-    of one seed share the prompt stream on the data clock, so their gaps are paired)."""
-    import random
-
-    rng = random.Random(seed)
-    n = len(per_seed[base_batch])
-    ratios: dict[int, list[float]] = {b: [] for b in per_seed if b != base_batch}
-    for _ in range(draws):
-        idx = [rng.randrange(n) for _ in range(n)]
-        base = statistics.fmean(per_seed[base_batch][i] for i in idx)
-        for b in ratios:
-            ratios[b].append(statistics.fmean(per_seed[b][i] for i in idx) / base)
-    lo, hi = int(0.025 * draws), int(0.975 * draws) - 1
-    return {b: (sorted(v)[lo], sorted(v)[hi]) for b, v in ratios.items()}
 
 
 def tiny_scaling_section(base: TinyBase, t: TinySettings, seed: int) -> dict[str, dict[int, dict[str, Any]]]:
@@ -402,11 +378,7 @@ def floor_section(base: TinyBase, t: TinySettings, seed: int) -> dict[str, Any]:
 
 def _figure(path: Path, toy: dict, tiny: dict | None, floor: dict | None, toy_s: ToySettings,
             tiny_s: TinySettings) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = 1 + 2 * (tiny is not None) + (floor is not None)
     fig, axes = plt.subplots(1, panels, figsize=(4.6 * panels, 4))
     axes = [axes] if panels == 1 else list(axes)
@@ -460,9 +432,7 @@ def _figure(path: Path, toy: dict, tiny: dict | None, floor: dict | None, toy_s:
         ax.set_yscale("log")
         ax.set_title(f"floor + staleness (B = {floor['batch']})")
         ax.legend(fontsize=8)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
+    save_figure(fig, path, dpi=110)
 
 
 # ---------------------------------------------------------------------------------------------------- run
@@ -516,10 +486,6 @@ def momentum_sweep(seed: int, betas: tuple[float, ...] = (0.9, 0.5, 0.0)) -> dic
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    import torch
-
-    from covrl.repro.common import ReproResult
-
     torch.set_num_threads(1)
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)

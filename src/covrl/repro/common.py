@@ -1,6 +1,6 @@
 """What every reproduction writes: `result.json` (claim, measured numbers, pass/fail per criterion),
-a PNG figure, and a short `report.md`; and the scored batch that reproductions driving a run step by step
-generate each step (`next_scored_batch`)."""
+PNG figures (`pyplot`, `save_figure`), and a short `report.md`; and the scored batch that reproductions driving a
+run step by step generate each step (`next_scored_batch`, used through `covrl.repro.harness`)."""
 
 from __future__ import annotations
 
@@ -82,6 +82,27 @@ def _short(x: Any) -> str:
     if isinstance(x, list):
         return "[" + ", ".join(_short(v) for v in x) + "]"
     return str(x)
+
+
+def pyplot():
+    """matplotlib.pyplot on the Agg backend (figures are written to files, never shown)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
+def save_figure(fig, path: Path, *, dpi: int) -> str:
+    """Lay out `fig`, write it to `path` (creating its folder) and close it; returns the file name (what
+    `ReproResult.figures` lists)."""
+    plt = pyplot()
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=dpi)
+    plt.close(fig)
+    return path.name
 
 
 def next_scored_batch(run):

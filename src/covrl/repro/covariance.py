@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from covrl.repro.common import pyplot, save_figure
+
 CLAIM = (
     "On the model's own samples the expected policy gradient is Cov(A, s) and the Fisher is Var(s): a parameter "
     "can move only if its Fisher is large, and whether it does is up to the reward; off-policy the same holds once "
@@ -291,9 +293,8 @@ def _library_check(result, cfg: Settings, reward, b1, b2) -> dict:
 
 
 def _figure(out_dir: Path, cfg: Settings, ident, factor, drift) -> str:
-    from covrl.repro._toys import plt as get_plt
 
-    plt = get_plt()
+    plt = pyplot()
     fig, ax = plt.subplots(1, 4, figsize=(18, 4))
     sp = ident["split"]
     ax[0].plot(sp.signal.numpy(), sp.grad.numpy(), ".", ms=3)
@@ -325,8 +326,4 @@ def _figure(out_dir: Path, cfg: Settings, ident, factor, drift) -> str:
     ax[3].set_ylabel("‖Δ second-token logits‖ (reward ignores them)")
     ax[3].set_title("drift compounds with a biased sampler")
     ax[3].legend(fontsize=8)
-    fig.tight_layout()
-    name = "covariance.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir / "covariance.png", dpi=110)

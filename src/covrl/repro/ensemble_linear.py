@@ -18,6 +18,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from covrl.repro.common import pyplot, save_figure
+
 CLAIM = (
     "Linear Ensemble++ (θ = μ + Aζ, Kalman-form particle updates) nearly matches exact linear Thompson sampling "
     "with M = 16 particles at d = 10; continuous references beat the coordinate one at small M; the smallest M "
@@ -71,10 +73,7 @@ def minimal_matching_M(d: int, arms: int, cfg: Settings, seeds: int, seed: int) 
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import torch
 
     from covrl.explore.loop import run_bandit
@@ -166,9 +165,7 @@ def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     ax.set_ylabel("smallest M within 10% of LinTS")
     ax.legend(loc="upper left", fontsize=7)
     ax2.legend(loc="lower right", fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "ensemble_linear.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out_dir / "ensemble_linear.png", dpi=120)
     result.figures.append("ensemble_linear.png")
     result.notes = ("Regret table (mean cumulative regret ± stderr at T): "
                     + "; ".join(f"{k}: {v['regret']:.1f} ± {v['stderr']:.1f}" for k, v in table.items()))

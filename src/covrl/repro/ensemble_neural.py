@@ -20,6 +20,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from covrl.repro.common import pyplot, save_figure
+
 CLAIM = (
     "Neural Ensemble++ (shared network, M linear heads on stop-gradient features, index as input) matches or "
     "beats Ensemble+ and EpiNet on a quadratic bandit, and beats Greedy, at a fraction of Ensemble+'s compute."
@@ -66,10 +68,7 @@ def _pareto(points: dict[str, tuple[float, float]]) -> set[str]:
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import torch
 
     from covrl.explore.loop import run_bandit
@@ -132,9 +131,7 @@ def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
         ax.set_xlabel(label)
         ax.set_ylabel(f"regret at T={cfg.steps}")
         ax.set_title("regret vs compute")
-    fig.tight_layout()
-    fig.savefig(out_dir / "ensemble_neural.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out_dir / "ensemble_neural.png", dpi=120)
     result.figures.append("ensemble_neural.png")
     result.notes = "; ".join(f"{n}: regret {v['regret']:.1f} ± {v['stderr']:.1f}, {v['parameters']} params, "
                              f"{v['ms_per_step']:.2f} ms/round" for n, v in table.items())

@@ -42,6 +42,15 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from covrl.repro import stats
+from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.harness import Arm, ArmRunner, Step, pick
+from covrl.repro.presets import DRIVEN, ONE_DIGIT_ADDITION, load_preset
+from covrl.rollout import build_sampler
+from covrl.train.evaluate import evaluate
+
 CLAIM = (
     "A surge in mean response length is an early warning of RL collapse: gradient noise and the sampler–trainer "
     "mismatch rise with it and reward falls; decaying the lr when length surges keeps the mismatch bounded and "
@@ -87,37 +96,25 @@ FULL = Settings(seeds=5, steps=40, lr=3e-3, sft_steps=60, prompts_per_step=8, gr
 
 
 def surge_config(arm: str, *, seed: int, s: Settings, sft_steps: int | None = None):
-    """TrainConfig of one arm: tiny Llama (as configs/tiny.yaml), bf16 sampler vs fp32 trainer, GRPO +
-    covariance loss, constant peak lr; `surge` enables the length-surge schedule."""
-    from covrl.config import build_config
-
+    """TrainConfig of one arm: the tiny preset on one-digit addition, bf16 sampler (own weight copy) vs fp32
+    trainer, GRPO + covariance loss, constant peak lr; `surge` enables the length-surge schedule."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {ARMS}, got {arm!r}")
-    data = {
-        "run": {"name": f"{arm}-seed{seed}", "seed": seed, "num_threads": 1},
-        "model": {"source": "tiny", "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4,
-                                             "intermediate_size": 128, "max_positions": 64}},
-        "task": {"name": "arithmetic", "chat_template": False, "n_train": 1000, "n_eval": 50},
-        "sampler": {"temperature": 1.0, "max_new_tokens": s.max_new_tokens, "max_batch": 128,
-                    "dtype": "bfloat16", "share_weights": "never"},
-        "sft_warmup": {"steps": s.sft_steps if sft_steps is None else sft_steps, "lr": 3.0e-3, "batch_size": 64},
-        "algorithm": {"advantage": "grpo", "loss": "covariance"},
-        "optim": {"lr": s.lr * (FLOOR if arm == "constant_floor" else 1.0), "micro_batch_size": 64},
-        "loop": {"steps": s.steps, "prompts_per_step": s.prompts_per_step, "group_size": s.group_size},
-        "lr_surge": {"enabled": arm == "surge", "trigger": "length", "warmup_steps": s.surge_warmup_steps,
-                     "cooldown_steps": s.surge_cooldown_steps},
-        "eval": {"before": False, "after": False},
-        "checkpoint": {"at_end": False},
-        "logging": {"console": False, "curves": False, "diagnostics": True},
-    }
-    return build_config(data, source=f"repro lr-surge arm {arm}")
+    return load_preset("tiny", {
+        **ONE_DIGIT_ADDITION, **DRIVEN, "run.name": f"{arm}-seed{seed}", "run.seed": seed,
+        "sampler.max_new_tokens": s.max_new_tokens, "sampler.dtype": "bfloat16", "sampler.share_weights": "never",
+        "sft_warmup.steps": s.sft_steps if sft_steps is None else sft_steps, "algorithm.advantage": "grpo",
+        "optim.lr": s.lr * (FLOOR if arm == "constant_floor" else 1.0),
+        "loop.steps": s.steps, "loop.prompts_per_step": s.prompts_per_step, "loop.group_size": s.group_size,
+        "lr_surge.enabled": arm == "surge", "lr_surge.trigger": "length",
+        "lr_surge.warmup_steps": s.surge_warmup_steps, "lr_surge.cooldown_steps": s.surge_cooldown_steps,
+    })
 
 
 def eos_suppressing_sampler_builder(state: dict):
     """A `build_sampler_fn` for `prepare_run`: the configured sampler whose output logits get
     `FORCED_EOS_LOGIT_SHIFT` on the EOS token while `state["force"]` is true (a forward hook on its own weight
     copy), so every response runs to max_new_tokens: a forced length surge."""
-    from covrl.rollout import build_sampler
 
     def build(cfg, model, tokenizer):
         sampler = build_sampler(cfg, model, tokenizer)
@@ -145,41 +142,30 @@ _KEYS = ("reward/mean", "accuracy", "response/length_mean", "response/length_max
 
 
 def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_root: Path) -> dict[str, Any]:
-    """One arm, driven step by step through covrl's public entry points (prepare_run, sampler.generate,
-    score_rollouts, Trainer.step, sampler.load_weights). `init_state` (the SFT'd weights of this seed) is loaded
-    instead of repeating the warm-up. Returns per-step records, evals and the SFT'd weights."""
-    from covrl.repro.common import next_scored_batch
-    from covrl.train.evaluate import evaluate
-    from covrl.train.run import prepare_run
-
+    """One arm, driven step by step (covrl.repro.harness). `init_state` (the SFT'd weights of this seed) is
+    loaded instead of repeating the warm-up. Returns per-step records, evals and the SFT'd weights."""
     cfg = surge_config(arm, seed=seed, s=s, sft_steps=0 if init_state is not None else None)
     force = {"force": False}
-    run = prepare_run(cfg, run_dir=run_root / f"{arm}-seed{seed}", console=False,
-                      build_sampler_fn=eos_suppressing_sampler_builder(force))
-    try:
-        if init_state is not None:
-            run.model.load_state_dict(init_state)
-            run.sampler.load_weights(run.model, run.trainer.version)
-        start_state = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+    arm_spec = Arm(cfg, run_root / f"{arm}-seed{seed}", build_sampler_fn=eos_suppressing_sampler_builder(force),
+                   init_state=init_state)
+    with ArmRunner(arm_spec) as runner:
+        run = runner.run
+        start_state = runner.weights()
         eval_examples = run.task.eval[: s.eval_prompts]
         eval_before = evaluate(run.sampler, run.task, run.tokenizer, eval_examples, seed=seed + 17, sampled=False)
         rl_prompts = distinct_prompts(run.task.train, s.eval_prompts)
         score_before = sampled_accuracy(run, rl_prompts, SCORE_SAMPLES, seed=seed + 29)
-        records = []
-        for step in range(1, s.steps + 1):
+
+        def force_from_step(step: int) -> None:
             force["force"] = s.force_surge_step is not None and step >= s.force_surge_step
-            batch, _ = next_scored_batch(run)
-            metrics = run.trainer.step(batch)
-            run.sampler.load_weights(run.model, run.trainer.version)
-            rec = {"step": step, "forced": float(force["force"]),
-                   **{k: float(metrics[k]) for k in _KEYS if k in metrics}}
-            records.append(rec)
-            run.log(rec)
+
+        def record(step: Step) -> dict:
+            return {"step": step.index, "forced": float(force["force"]), **pick(step.metrics, _KEYS)}
+
+        records = runner.drive(s.steps, before_step=force_from_step, record=record)
         force["force"] = False
         eval_after = evaluate(run.sampler, run.task, run.tokenizer, eval_examples, seed=seed + 17, sampled=False)
         score_after = sampled_accuracy(run, rl_prompts, SCORE_SAMPLES, seed=seed + 29)
-    finally:
-        run.close()
     return {"records": records, "eval_before": eval_before["greedy"]["accuracy"],
             "eval_after": eval_after["greedy"]["accuracy"],
             "eval_after_length": eval_after["greedy"]["length_mean"], "start_state": start_state,
@@ -195,25 +181,9 @@ def sampled_accuracy(run, examples: list, samples: int, *, seed: int) -> float:
     """Accuracy of `samples` samples per example at the sampler's temperature (covrl.train.evaluate with its own
     generator seeded with `seed`, so the training RNG does not move): an estimate of the expected reward of the
     policy on these prompts."""
-    from covrl.train.evaluate import evaluate
-
     repeated = [ex for ex in examples for _ in range(samples)]
     return float(evaluate(run.sampler, run.task, run.tokenizer, repeated, seed=seed, greedy=False,
                           sampled=True)["sampled"]["accuracy"])
-
-
-def _median(xs) -> float:
-    xs = sorted(x for x in xs if x is not None and math.isfinite(x))
-    return 0.5 * (xs[(len(xs) - 1) // 2] + xs[len(xs) // 2]) if xs else float("nan")
-
-
-def _mean(xs) -> float:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def _trailing_mean(xs: list[float], window: int) -> list[float]:
-    return [_mean(xs[max(0, i - window + 1): i + 1]) for i in range(len(xs))]
 
 
 def _first(steps_values, rule) -> int | None:
@@ -227,23 +197,23 @@ def analyse_run(records: list[dict], s: Settings, *, surge_ratio: float, score_b
                 score_after: float) -> dict[str, Any]:
     """Collapse flag and event onsets of one run (rules in the module docstring)."""
     rewards = [r["reward/mean"] for r in records]
-    head = _mean(rewards[: s.collapse_head])
-    tail = _mean(rewards[-s.collapse_tail:])
+    head = stats.mean(rewards[: s.collapse_head])
+    tail = stats.mean(rewards[-s.collapse_tail:])
     collapsed = score_after < COLLAPSE_FRACTION * score_before
     k3 = [r["mismatch/k3"] for r in records]
     trace = [r.get("noise/trace_sigma", float("nan")) for r in records]
-    k3_base = _mean(k3[: s.collapse_head])
-    noise_base = _mean(trace[: s.collapse_head])
+    k3_base = stats.mean(k3[: s.collapse_head])
+    noise_base = stats.mean(trace[: s.collapse_head])
     steps = [r["step"] for r in records]
     warm = s.surge_warmup_steps
     surge = _first(((r["step"], r["lr_surge/ratio"]) for r in records),
                    lambda step, v: step >= warm and v >= surge_ratio)
-    mismatch = _first(zip(steps, _trailing_mean(k3, SMOOTH)),
+    mismatch = _first(zip(steps, stats.trailing_mean(k3, SMOOTH)),
                       lambda step, v: k3_base > 0 and v >= RISE_FACTOR * k3_base)
-    noise = _first(zip(steps, _trailing_mean(trace, SMOOTH)),
+    noise = _first(zip(steps, stats.trailing_mean(trace, SMOOTH)),
                    lambda step, v: noise_base > 0 and v >= RISE_FACTOR * noise_base)
     w = s.collapse_head
-    moving = [(records[i]["step"], _mean(rewards[max(0, i - w + 1): i + 1])) for i in range(w - 1, len(records))]
+    moving = [(records[i]["step"], stats.mean(rewards[max(0, i - w + 1): i + 1])) for i in range(w - 1, len(records))]
     fall = _first(moving, lambda step, v: v < COLLAPSE_FRACTION * score_before)
     decays = [r["step"] for r in records if r.get("lr_surge/triggered", 0.0) > 0]
     half = len(records) // 2
@@ -254,22 +224,18 @@ def analyse_run(records: list[dict], s: Settings, *, surge_ratio: float, score_b
         "decay_steps": decays, "final_lr_scale": records[-1].get("lr_surge/scale", 1.0),
         "length_max_of_batch_means": max(r["response/length_mean"] for r in records),
         "k3_head_mean": k3_base, "k3_max": max(r["mismatch/k3"] for r in records),
-        "k3_mean_second_half": _mean(r["mismatch/k3"] for r in records[half:]),
+        "k3_mean_second_half": stats.mean(r["mismatch/k3"] for r in records[half:]),
         "kl_seq_max": max(r.get("kl_seq", float("nan")) for r in records),
-        "kl_seq_mean_second_half": _mean(r.get("kl_seq") for r in records[half:]),
+        "kl_seq_mean_second_half": stats.mean(r.get("kl_seq") for r in records[half:]),
         "trace_sigma_head_mean": noise_base,
-        "k3_smoothed_max": max(_trailing_mean(k3, SMOOTH)),
+        "k3_smoothed_max": max(stats.trailing_mean(k3, SMOOTH)),
         "trace_sigma_max": max((r.get("noise/trace_sigma", float("nan")) for r in records), default=float("nan")),
         "grad_norm_max": max(r.get("grad_norm", 0.0) for r in records),
-        "noise_median": _median(r.get("noise/noise") for r in records),
+        "noise_median": stats.median(r.get("noise/noise") for r in records),
     }
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    import torch
-
-    from covrl.repro.common import ReproResult
-
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
     s = FAST if fast else FULL
@@ -305,16 +271,16 @@ def _summarise(result, runs: dict[str, list[dict]], s: Settings, surge_ratio: fl
             "collapse_fraction": sum(a["collapsed"] for a in an) / len(an),
             "score_before": [a["score_before"] for a in an],
             "score_after": [a["score_after"] for a in an],
-            "reward_head_mean": _mean(a["reward_head"] for a in an),
-            "reward_tail_mean": _mean(a["reward_tail"] for a in an),
+            "reward_head_mean": stats.mean(a["reward_head"] for a in an),
+            "reward_tail_mean": stats.mean(a["reward_tail"] for a in an),
             "eval_greedy_before": [r["eval_before"] for r in runs[arm]],
             "eval_greedy_after": [r["eval_after"] for r in runs[arm]],
-            "k3_max_mean": _mean(a["k3_max"] for a in an),
-            "k3_smoothed_max_mean": _mean(a["k3_smoothed_max"] for a in an),
+            "k3_max_mean": stats.mean(a["k3_max"] for a in an),
+            "k3_smoothed_max_mean": stats.mean(a["k3_smoothed_max"] for a in an),
             "onsets": {k: [a[f"onset_{k}"] for a in an] for k in ("surge", "mismatch_rise", "noise_rise", "reward_fall")},
             "decay_steps": [a["decay_steps"] for a in an],
-            "k3_mean_second_half": _mean(a["k3_mean_second_half"] for a in an),
-            "kl_seq_mean_second_half": _mean(a["kl_seq_mean_second_half"] for a in an),
+            "k3_mean_second_half": stats.mean(a["k3_mean_second_half"] for a in an),
+            "kl_seq_mean_second_half": stats.mean(a["kl_seq_mean_second_half"] for a in an),
             "length_max_of_batch_means": [a["length_max_of_batch_means"] for a in an],
             "per_seed": [{k: v for k, v in a.items()} | {"seed": r["seed"]} for a, r in zip(an, runs[arm])],
         }
@@ -371,11 +337,7 @@ def _summarise(result, runs: dict[str, list[dict]], s: Settings, surge_ratio: fl
 def _figure(out_dir: Path, runs: dict[str, list[dict]], s: Settings) -> str:
     """Six panels over RL steps; thin lines = seeds, thick = mean over seeds. The noisy panels (k3, KL_seq, tr Σ)
     show trailing SMOOTH-step means; tr Σ estimates ≤ 0 (no reward contrast, or a noisy estimate) count as 0."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     panels = [("reward/mean", "training reward (dotted: start score, mean over seeds)", False, False),
               ("response/length_mean", "mean response length", False, False),
               ("mismatch/k3", f"mismatch token k3, bf16 sampler vs fp32 trainer ({SMOOTH}-step mean)", True, True),
@@ -389,17 +351,17 @@ def _figure(out_dir: Path, runs: dict[str, list[dict]], s: Settings) -> str:
             curves = []
             for r in runs[arm]:
                 ys = [max(rec.get(key, float("nan")), 0.0) for rec in r["records"]]
-                ys = _trailing_mean(ys, SMOOTH) if smooth else ys
+                ys = stats.trailing_mean(ys, SMOOTH) if smooth else ys
                 curves.append(ys)
                 ax.plot(range(1, len(ys) + 1), [y if (y > 0 or not log) else float("nan") for y in ys],
                         color=colors.get(arm, "k"), alpha=0.25, lw=0.8)
             steps = min(len(c) for c in curves)
-            mean = [_mean(c[i] for c in curves) for i in range(steps)]
+            mean = [stats.mean(c[i] for c in curves) for i in range(steps)]
             collapsed = sum(r["analysis"]["collapsed"] for r in runs[arm])
             ax.plot(range(1, steps + 1), [y if (y > 0 or not log) else float("nan") for y in mean],
                     color=colors.get(arm, "k"), lw=2.2, label=f"{arm} ({collapsed}/{len(curves)} collapsed)")
             if key == "reward/mean":
-                ax.axhline(_mean(r["score_before"] for r in runs[arm]), color="k", ls=":", lw=1)
+                ax.axhline(stats.mean(r["score_before"] for r in runs[arm]), color="k", ls=":", lw=1)
             if arm == "surge":
                 for r in runs[arm]:
                     for d in r["analysis"]["decay_steps"]:
@@ -411,11 +373,7 @@ def _figure(out_dir: Path, runs: dict[str, list[dict]], s: Settings) -> str:
     axes.flat[0].legend(fontsize=8)
     fig.suptitle(f"Length-surge lr decay: tiny Llama on one-digit addition, peak lr {s.lr:g}, {s.seeds} seed(s) per "
                  "arm; faint vertical lines = decays of the surge arm", fontsize=11)
-    fig.tight_layout()
-    name = "lr_surge.png"
-    fig.savefig(out_dir / name, dpi=100)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir / "lr_surge.png", dpi=100)
 
 
 def _notes(s: Settings) -> str:

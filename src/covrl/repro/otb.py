@@ -41,6 +41,16 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import torch
+
+from covrl.repro import stats
+from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.harness import Arm, ArmRunner, Step, pick
+from covrl.repro.lr_surge import distinct_prompts, sampled_accuracy
+from covrl.repro.presets import DRIVEN, ONE_DIGIT_ADDITION, load_preset
+from covrl.train.evaluate import evaluate
+from covrl.train.trainer import Trainer
+
 CLAIM = ("OTB with N = 4 matches GRPO with N = 32, reaches that accuracy with fewer generated tokens (the seed "
          "claims 62–66% fewer), and keeps gradient norms stable.")
 
@@ -79,28 +89,19 @@ FULL = Settings(seeds=3, token_budget=9_000, checkpoints=6, prompts_per_step=8, 
 
 
 def otb_config(arm: str, *, seed: int, s: Settings, sft_steps: int | None = None, steps: int = 1):
-    """TrainConfig of one arm: tiny Llama (as configs/tiny.yaml), covariance loss, the arm's advantage and N."""
-    from covrl.config import build_config
-
+    """TrainConfig of one arm: the tiny preset on one-digit addition, covariance loss, the arm's advantage and N;
+    the sampler shares the trainer's weights."""
     if arm not in ARMS:
         raise ValueError(f"arm must be one of {sorted(ARMS)}, got {arm!r}")
     advantage, n = ARMS[arm]
-    data = {
-        "run": {"name": f"{arm}-seed{seed}", "seed": seed, "num_threads": 1},
-        "model": {"source": "tiny", "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4,
-                                             "intermediate_size": 128, "max_positions": 64}},
-        "task": {"name": "arithmetic", "chat_template": False, "n_train": 1000, "n_eval": 50},
-        "sampler": {"temperature": 1.0, "max_new_tokens": s.max_new_tokens, "max_batch": 512,
-                    "share_weights": "always"},
-        "sft_warmup": {"steps": s.sft_steps if sft_steps is None else sft_steps, "lr": 3.0e-3, "batch_size": 64},
-        "algorithm": {"advantage": advantage, "loss": "covariance"},
-        "optim": {"lr": s.lr, "micro_batch_size": 512},
-        "loop": {"steps": max(1, steps), "prompts_per_step": s.prompts_per_step, "group_size": n},
-        "eval": {"before": False, "after": False},
-        "checkpoint": {"at_end": False},
-        "logging": {"console": False, "curves": False, "diagnostics": False},
-    }
-    return build_config(data, source=f"repro otb arm {arm}")
+    return load_preset("tiny", {
+        **ONE_DIGIT_ADDITION, **DRIVEN, "logging.diagnostics": False,
+        "run.name": f"{arm}-seed{seed}", "run.seed": seed,
+        "sampler.max_new_tokens": s.max_new_tokens, "sampler.max_batch": 512, "sampler.share_weights": "always",
+        "sft_warmup.steps": s.sft_steps if sft_steps is None else sft_steps,
+        "algorithm.advantage": advantage, "optim.lr": s.lr, "optim.micro_batch_size": 512,
+        "loop.steps": max(1, steps), "loop.prompts_per_step": s.prompts_per_step, "loop.group_size": n,
+    })
 
 
 _KEYS = ("reward/mean", "accuracy", "response/length_mean", "response_tokens", "grad_norm", "entropy",
@@ -112,19 +113,11 @@ _KEYS = ("reward/mean", "accuracy", "response/length_mean", "response_tokens", "
 def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_root: Path) -> dict[str, Any]:
     """One arm until `s.token_budget` response tokens are generated; evaluations at evenly spaced token
     checkpoints. Returns per-step records, the eval curve and the starting (SFT'd) weights."""
-    from covrl.repro.common import next_scored_batch
-    from covrl.repro.lr_surge import distinct_prompts, sampled_accuracy
-    from covrl.train.evaluate import evaluate
-    from covrl.train.run import prepare_run
-
     cfg = otb_config(arm, seed=seed, s=s, sft_steps=0 if init_state is not None else None,
                      steps=s.token_budget)  # loop.steps only bounds the data clock; the budget stops the run
-    run = prepare_run(cfg, run_dir=run_root / f"{arm}-seed{seed}", console=False)
-    try:
-        if init_state is not None:
-            run.model.load_state_dict(init_state)
-            run.sampler.load_weights(run.model, run.trainer.version)
-        start_state = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
+    with ArmRunner(Arm(cfg, run_root / f"{arm}-seed{seed}", init_state=init_state)) as runner:
+        run = runner.run
+        start_state = runner.weights()
         # one-digit addition has 100 problems: 50 held out, the other 50 are the RL prompts. The tiny model does
         # not generalise from 50 problems, so progress is measured on the RL prompts themselves (greedy, distinct)
         # and held-out accuracy is reported at the start and the end only.
@@ -139,25 +132,23 @@ def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_r
             return sampled_accuracy(run, distinct, s.eval_samples, seed=seed + 29)
 
         held_out_start = greedy_accuracy(examples_eval)
-
         marks = [s.token_budget * (i + 1) / s.checkpoints for i in range(s.checkpoints)]
         curve = [(0, rl_prompt_accuracy())]
-        records, tokens, step = [], 0, 0
-        while tokens < s.token_budget:
-            step += 1
-            batch, _ = next_scored_batch(run)
-            metrics = run.trainer.step(batch)
-            run.sampler.load_weights(run.model, run.trainer.version)
-            tokens += int(batch.response_mask.sum())
-            rec = {"step": step, "tokens": tokens, **{k: float(metrics[k]) for k in _KEYS if k in metrics}}
-            records.append(rec)
-            run.log(rec)
+        tokens = 0
+
+        def record(step: Step) -> dict:
+            nonlocal tokens
+            tokens += step.response_tokens
+            return {"step": step.index, "tokens": tokens, **pick(step.metrics, _KEYS)}
+
+        def evaluate_at_marks(step: Step, rec: dict) -> bool:
             while marks and tokens >= marks[0]:
                 marks.pop(0)
                 curve.append((tokens, rl_prompt_accuracy()))
+            return tokens >= s.token_budget
+
+        records = runner.drive(record=record, after_step=evaluate_at_marks)
         held_out_end = greedy_accuracy(examples_eval)
-    finally:
-        run.close()
     return {"records": records, "curve": curve, "start_state": start_state, "held_out": [held_out_start, held_out_end],
             "train_prompts": len(distinct)}
 
@@ -190,32 +181,24 @@ def tokens_to_target(curve: list[tuple[int, float]], target: float) -> int | Non
 def step_cost(s: Settings, *, seed: int, init_state: dict, run_root: Path) -> dict[str, float]:
     """Median wall and CPU time of Trainer.step with OTB and with GRPO on the same batch (s.timing_rows rows,
     N = 4) from the same weights, alternating the two; the weights are restored before every step."""
-    from covrl.repro.common import next_scored_batch
-    from covrl.train.run import prepare_run
-    from covrl.train.trainer import Trainer
-
     n = 4
     cfg = otb_config("otb_n4", seed=seed, s=s, sft_steps=0)
     cfg.loop.prompts_per_step = max(1, s.timing_rows // n)
-    run = prepare_run(cfg, run_dir=run_root / "timing", console=False)
-    try:
-        run.model.load_state_dict(init_state)
-        run.sampler.load_weights(run.model, 0)
-        assert cfg.loop.group_size == n
-        batch, _ = next_scored_batch(run)
-    finally:
-        run.close()
+    assert cfg.loop.group_size == n
+    with ArmRunner(Arm(cfg, run_root / "timing", init_state=init_state)) as runner:
+        batch, _ = runner.next_batch()
+        model = runner.run.model
     state = {k: v.detach().clone() for k, v in init_state.items()}
     trainers = {}
     for name in ("otb", "grpo"):
         c = cfg.model_copy(deep=True)
         c.algorithm.advantage = name
-        trainers[name] = Trainer(run.model, c)
+        trainers[name] = Trainer(model, c)
     wall: dict[str, list[float]] = {"otb": [], "grpo": []}
     cpu: dict[str, list[float]] = {"otb": [], "grpo": []}
     for _ in range(s.timing_repeats + 1):  # the first round warms up allocators and caches
         for name, trainer in trainers.items():
-            run.model.load_state_dict(state)
+            model.load_state_dict(state)
             t0, c0 = time.perf_counter(), time.thread_time()
             trainer.step(batch)
             wall[name].append(time.perf_counter() - t0)
@@ -228,10 +211,6 @@ def step_cost(s: Settings, *, seed: int, init_state: dict, run_root: Path) -> di
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    import torch
-
-    from covrl.repro.common import ReproResult
-
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
     s = FAST if fast else FULL
@@ -281,35 +260,35 @@ def _summarise(result, runs: dict[str, list[dict]], s: Settings, cost: dict[str,
                 "token_saving_vs_grpo_n32": _saving(tokens_to_target(r["curve"], targets[r["seed"]]),
                                                     reference_tokens[r["seed"]]),
                 **stab,
-                "var_power_mean": _mean(rec.get("adv/var_power") for rec in recs),
-                "var_proxy_mean": _mean(rec.get("adv/var_proxy_mean") for rec in recs),
-                "trace_sigma_mean": _mean(rec.get("noise/trace_sigma") for rec in recs),
-                "trace_sigma_median": _median(rec.get("noise/trace_sigma") for rec in recs),
-                "b_simple_median": _median(rec.get("noise/b_simple") for rec in recs),
+                "var_power_mean": stats.mean(rec.get("adv/var_power") for rec in recs),
+                "var_proxy_mean": stats.mean(rec.get("adv/var_proxy_mean") for rec in recs),
+                "trace_sigma_mean": stats.mean(rec.get("noise/trace_sigma") for rec in recs),
+                "trace_sigma_median": stats.median(rec.get("noise/trace_sigma") for rec in recs),
+                "b_simple_median": stats.median(rec.get("noise/b_simple") for rec in recs),
                 "held_out_start": r["held_out"][0], "held_out_end": r["held_out"][1],
-                "reward_last5": _mean(rec["reward/mean"] for rec in recs[-5:]),
-                "trainer_step_s_mean": _mean(rec.get("time/trainer_step") for rec in recs),
+                "reward_last5": stats.mean(rec["reward/mean"] for rec in recs[-5:]),
+                "trainer_step_s_mean": stats.mean(rec.get("time/trainer_step") for rec in recs),
             })
         reached = [x["tokens_to_target"] for x in rows]
         per_arm[arm] = {
-            "eval_final_mean": _mean(x["eval_final"] for x in rows),
+            "eval_final_mean": stats.mean(x["eval_final"] for x in rows),
             "eval_final": [x["eval_final"] for x in rows],
             "eval_start": [x["eval_start"] for x in rows],
             "tokens_to_target": reached,
             "reached_target": sum(x is not None for x in reached),
-            "tokens_to_target_mean_of_reached": _mean(x for x in reached if x is not None),
+            "tokens_to_target_mean_of_reached": stats.mean(x for x in reached if x is not None),
             "token_saving_vs_grpo_n32": [x["token_saving_vs_grpo_n32"] for x in rows],
-            "token_saving_mean": _mean(x["token_saving_vs_grpo_n32"] for x in rows),
-            "grad_norm_std_mean": _mean(x["grad_norm_std"] for x in rows),
-            "grad_norm_cv_mean": _mean(x["grad_norm_cv"] for x in rows),
-            "b_simple_median_mean": _mean(x["b_simple_median"] for x in rows),
+            "token_saving_mean": stats.mean(x["token_saving_vs_grpo_n32"] for x in rows),
+            "grad_norm_std_mean": stats.mean(x["grad_norm_std"] for x in rows),
+            "grad_norm_cv_mean": stats.mean(x["grad_norm_cv"] for x in rows),
+            "b_simple_median_mean": stats.mean(x["b_simple_median"] for x in rows),
             "held_out_start": [x["held_out_start"] for x in rows],
             "held_out_end": [x["held_out_end"] for x in rows],
-            "reward_last5_mean": _mean(x["reward_last5"] for x in rows),
+            "reward_last5_mean": stats.mean(x["reward_last5"] for x in rows),
             "grad_norm_max_max": max(x["grad_norm_max"] for x in rows),
             "spikes_total": sum(x["spikes"] for x in rows),
-            "var_power_mean": _mean(x["var_power_mean"] for x in rows),
-            "trace_sigma_median": _mean(x["trace_sigma_median"] for x in rows),
+            "var_power_mean": stats.mean(x["var_power_mean"] for x in rows),
+            "trace_sigma_median": stats.mean(x["trace_sigma_median"] for x in rows),
             "steps": [x["steps"] for x in rows],
             "per_seed": rows,
         }
@@ -356,22 +335,8 @@ def _saving(tokens: int | None, reference: int | None) -> float | None:
     return 1.0 - tokens / reference
 
 
-def _mean(xs) -> float:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return sum(xs) / len(xs) if xs else float("nan")
-
-
-def _median(xs) -> float:
-    xs = [x for x in xs if x is not None and math.isfinite(x)]
-    return statistics.median(xs) if xs else float("nan")
-
-
 def _figure(out_dir: Path, runs: dict[str, list[dict]], s: Settings, target: float) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     colors = {"otb_n4": "tab:blue", "grpo_n4": "tab:orange", "rloo_n4": "tab:green", "grpo_n32": "tab:red"}
     fig, axes = plt.subplots(1, 4, figsize=(19, 4.3))
     for arm in ARMS:
@@ -400,11 +365,7 @@ def _figure(out_dir: Path, runs: dict[str, list[dict]], s: Settings, target: flo
         ax.set_xlabel("generated response tokens")
         ax.legend(fontsize=7)
     fig.suptitle(f"OTB vs GRPO vs RLOO at a budget of {s.token_budget} generated tokens, {s.seeds} seed(s)")
-    fig.tight_layout()
-    name = "otb.png"
-    fig.savefig(out_dir / name, dpi=100)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir / "otb.png", dpi=100)
 
 
 def _notes(s: Settings) -> str:

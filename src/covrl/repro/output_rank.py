@@ -21,6 +21,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from covrl.repro.common import pyplot, save_figure
+
 CLAIM = (
     "At the output layer only competing rows move: the backprop signal is the drawn row minus the sampler's "
     "average, so the expected update of a map feeding the unembedding has rank ≤ K−1 plus a leak set by the tail "
@@ -271,9 +273,8 @@ def _transformer_section(result, cfg: Settings, seed: int, fast: bool) -> dict:
 
 
 def _figure(out_dir: Path, cfg: Settings, tails, optim, lora, lm) -> str:
-    from covrl.repro._toys import plt as get_plt
 
-    plt = get_plt()
+    plt = pyplot()
     fig, ax = plt.subplots(1, 4, figsize=(18, 4))
     ts = sorted(tails)
     ax[0].semilogx(ts, [1 - tails[t] for t in ts], "o-")
@@ -305,8 +306,4 @@ def _figure(out_dir: Path, cfg: Settings, tails, optim, lora, lm) -> str:
     ax[3].set_ylabel("σ_i² / Σσ²")
     ax[3].set_title("tiny transformer: signal at lm_head input")
     ax[3].legend(fontsize=8)
-    fig.tight_layout()
-    name = "output_rank.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir / "output_rank.png", dpi=110)

@@ -22,6 +22,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from covrl.repro.common import pyplot, save_figure
+
 CLAIM = (
     "Per unit step of policy gradient the log-odds of two responses change by at most std(A)·‖s(y1) − s(y2)‖ in "
     "the sampler's Fisher; with one logit per response a rare response takes time ∝ 1/p0 while a demonstration "
@@ -132,7 +134,6 @@ def _tabular_section(result, cfg: Settings) -> dict:
 
 class TabularPolicy:
     """Built lazily (torch import inside run): one logit per response, same at every position."""
-
     @staticmethod
     def make(theta):
         import torch
@@ -332,9 +333,8 @@ def _rows_of(x):
 
 
 def _figure(out_dir: Path, cfg: Settings, tab, feat, lm) -> str:
-    from covrl.repro._toys import plt as get_plt
 
-    plt = get_plt()
+    plt = pyplot()
     fig, ax = plt.subplots(1, 4, figsize=(18, 4))
     for p0 in cfg.p0s:
         ax[0].semilogx(range(1, len(tab[p0]["traj_pg"]) + 1), tab[p0]["traj_pg"], label=f"PG p0={p0:g}")
@@ -367,8 +367,4 @@ def _figure(out_dir: Path, cfg: Settings, tab, feat, lm) -> str:
     ax[3].set_ylabel("|⟨d, g⟩|")
     ax[3].set_title("tiny transformer: every pair under the bound")
     ax[3].legend(fontsize=8)
-    fig.tight_layout()
-    name = "reach.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir / "reach.png", dpi=110)

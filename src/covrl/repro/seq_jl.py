@@ -23,6 +23,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
+from covrl.repro.common import pyplot, save_figure
+
 CLAIM = (
     "Under the agent's own (adaptive) Thompson-sampling data, the eigenvalue band of Σ^{-1/2}AAᵀΣ^{-1/2} over all "
     "t ≤ T tightens towards [1/2, 3/2] as M grows past ~d log T (sequential JL: one extra log T)."
@@ -78,10 +80,7 @@ def _inside(band: list[float]) -> bool:
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    plt = pyplot()
     import torch
 
     from covrl.repro.common import ReproResult
@@ -152,9 +151,7 @@ def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     ax.set_ylabel("band edges (median over seeds)")
     ax.set_title("adaptive data: band over time")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    fig.savefig(out_dir / "seq_jl.png", dpi=120)
-    plt.close(fig)
+    save_figure(fig, out_dir / "seq_jl.png", dpi=120)
     result.figures.append("seq_jl.png")
     result.notes = (f"d ln T = {dlogT:.1f}. Smallest grid M with the median uniform band inside [0.5, 1.5]: "
                     f"adaptive {m_star['adaptive']}, non-adaptive {m_star['non-adaptive']}; at t = T only "

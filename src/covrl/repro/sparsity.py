@@ -19,6 +19,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
+from covrl.repro.common import pyplot, save_figure
+
 CLAIM = (
     "With the score centred under the sampler the sampler Fisher caps every coordinate of a policy-gradient "
     "update, so PG updates concentrate where the Fisher is large; without centring (off-policy, e.g. a truncated "
@@ -170,7 +172,6 @@ def _toy_sections(result, cfg: Settings, seed: int) -> dict:
 
 
 def _lm_batch(model, tok, n: int, gen, top_k: int = 0):
-
     from covrl.repro._toys import ANSWER_LEN, addition_prompts, addition_reward, sample_fixed, score_mask
 
     pairs, prompts = addition_prompts(tok, n, gen)
@@ -267,9 +268,8 @@ def _transformer_sparsity_section(result, cfg: Settings, seed: int, fast: bool) 
 def _figure(out_dir: Path, cfg: Settings, toy, lm_cap, lm) -> str:
     import torch
 
-    from covrl.repro._toys import plt as get_plt
 
-    plt = get_plt()
+    plt = pyplot()
     fig, ax = plt.subplots(1, 4, figsize=(18, 4))
     f = toy["fisher"]
     order = torch.argsort(f, descending=True)
@@ -310,8 +310,4 @@ def _figure(out_dir: Path, cfg: Settings, toy, lm_cap, lm) -> str:
     ax[3].set_ylabel("fraction of parameters")
     ax[3].set_title("tiny transformer: fp32 sparsity + bf16 absorption")
     ax[3].legend(fontsize=7)
-    fig.tight_layout()
-    name = "sparsity.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir / "sparsity.png", dpi=110)

@@ -19,9 +19,30 @@ Sections (each adds criteria and numbers to one ReproResult):
 from __future__ import annotations
 
 import math
+import tempfile
 import time
 from dataclasses import dataclass
 from pathlib import Path
+
+import torch
+
+from covrl.diagnostics.tangent import (
+    all_sequences,
+    exact_from_tables,
+    exact_tangent_remainder,
+    perturb_tables,
+    random_tables,
+    tangent_remainder,
+    token_logprobs_from_tables,
+    trust_region_bounds,
+)
+from covrl.math import compute_advantages, rollout_correction
+from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.harness import Arm, ArmRunner, Step, pick
+from covrl.repro.presets import DRIVEN, ONE_DIGIT_ADDITION, load_preset
+from covrl.repro.stats import sorted_median
+from covrl.rollout import SamplerConfig, build_sampler
+from covrl.train.evaluate import evaluate
 
 CLAIM = (
     "Measured from the sampler, the gain of a policy update is a tangent (a covariance loss whose gradient needs "
@@ -55,10 +76,6 @@ FULL = Settings(vocab_sizes=(3, 4), horizons=(1, 2, 3, 4, 5, 6, 7, 8), pairs_per
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    import torch
-
-    from covrl.repro.common import ReproResult
-
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
     cfg = FAST if fast else FULL
@@ -82,10 +99,6 @@ def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
 
 def _random_pair(vocab: int, horizon: int, gen):
     """A random (sampler, trainer, reward) triple of a random kind; returns tables, rewards and a description."""
-    import torch
-
-    from covrl.diagnostics.tangent import all_sequences, perturb_tables, random_tables
-
     def uniform(lo, hi):
         return lo + (hi - lo) * float(torch.rand((), generator=gen, dtype=torch.float64))
 
@@ -111,9 +124,6 @@ def _random_pair(vocab: int, horizon: int, gen):
 
 
 def _random_pairs_section(result, cfg: Settings, seed: int) -> dict:
-    import torch
-
-    from covrl.diagnostics.tangent import exact_from_tables, trust_region_bounds
 
     gen = torch.Generator().manual_seed(1000 + seed)
     rows = []
@@ -145,7 +155,7 @@ def _random_pairs_section(result, cfg: Settings, seed: int) -> dict:
                      "violations": sum(abs(r["remainder"]) > r["bound"] * (1 + 1e-9) + 1e-15 for r in sel)}
             for key in ("bound_trpo_kl", "bound_trpo_tv", "bound_cpo_tv"):
                 ratios = sorted(r[key] / r["bound"] for r in sel)
-                entry[f"{key}_over_ours_median"] = _median(ratios)
+                entry[f"{key}_over_ours_median"] = sorted_median(ratios)
                 entry[f"{key}_over_ours_min"] = ratios[0]
                 entry[f"{key}_over_ours_frac_ge_10"] = sum(x >= 10 for x in ratios) / len(ratios)
             per_t[f"V{vocab}_T{horizon}"] = entry
@@ -165,24 +175,15 @@ def _random_pairs_section(result, cfg: Settings, seed: int) -> dict:
         "identity_error_abs_max": identity_max,
         "identity_error_rel_max": identity_rel_max,
         "remainder_over_bound_max": max(bound_ratios),
-        "remainder_over_bound_median": _median(sorted(bound_ratios)),
+        "remainder_over_bound_median": sorted_median(sorted(bound_ratios)),
         "classical_bound_violations": classical_violations,
         "per_V_T": per_t,
     })
     return {"rows": rows, "per_t": per_t}
 
 
-def _median(sorted_values: list[float]) -> float:
-    n = len(sorted_values)
-    return 0.5 * (sorted_values[(n - 1) // 2] + sorted_values[n // 2])
-
-
 def _second_order_section(result, cfg: Settings, seed: int) -> dict:
     """p = q + ε·d along one direction d: tangent ∝ ε, remainder and KL_seq ∝ ε² (fitted log-log slopes)."""
-    import torch
-
-    from covrl.diagnostics.tangent import exact_from_tables, perturb_tables, random_tables
-
     gen = torch.Generator().manual_seed(2000 + seed)
     horizon = cfg.scaling_horizon
     sampler = random_tables(3, horizon, generator=gen)
@@ -212,10 +213,6 @@ def _second_order_section(result, cfg: Settings, seed: int) -> dict:
 def _positionwise_problem(horizon: int = 8, vocab: int = 3, target: int = 4):
     """Tokens drawn independently per position (logits θ[t], shared across prefixes: a tiny parametric model);
     reward 1 when exactly `target` of the T tokens are token 0. First-order ascent overshoots (all zeros)."""
-    import torch
-
-    from covrl.diagnostics.tangent import all_sequences
-
     seqs = all_sequences(vocab, horizon)
     rewards = ((seqs == 0).sum(dim=1) == target).double()
     positions = torch.arange(horizon)[None, :].expand(len(seqs), horizon)
@@ -229,10 +226,6 @@ def _positionwise_problem(horizon: int = 8, vocab: int = 3, target: int = 4):
 
 def _tabular_problem(seed: int, horizon: int = 6, vocab: int = 3):
     """Per-prefix logits (tabular), random sampler, uniform random rewards."""
-    import torch
-
-    from covrl.diagnostics.tangent import all_sequences, random_tables, token_logprobs_from_tables
-
     gen = torch.Generator().manual_seed(3000 + seed)
     tables = random_tables(vocab, horizon, generator=gen)
     rewards = torch.rand(vocab**horizon, generator=gen, dtype=torch.float64)
@@ -252,10 +245,6 @@ def mm_rounds(theta0, token_logprobs, rewards, *, penalty: bool, rounds: int, in
     """Rounds of: fix q = p_θ; `inner_steps` SGD steps (step size `lr`) on M(θ) = tangent − R_max·KL_seq
     (penalty) or on the tangent alone; sync. Exact enumeration throughout. Returns J per round and M at the
     end of each inner loop."""
-    import torch
-
-    from covrl.diagnostics.tangent import exact_tangent_remainder
-
     theta = theta0.clone()
     j_values, surrogate_end = [], []
     for _ in range(rounds):
@@ -331,46 +320,30 @@ CENTRING_TOPK = 4  # sampler top-k returned for score centring
 TIS_THRESHOLD = 2.0  # token IS truncation C
 GEOMETRIC_BAND = 1.25  # sequence kept iff exp(mean_t lr_t) ∈ (1/1.25, 1.25)
 
-# arm name -> config sections merged into the tiny base config (each arm = covariance loss + one option)
+# arm name -> dotted overrides on top of the tiny base config (each arm = covariance loss + one option)
 ARMS: dict[str, dict] = {
     "covariance": {},
-    "+score_centring": {"algorithm": {"score_centering": True}, "sampler": {"return_topk": CENTRING_TOPK}},
-    "+token_tis": {"correction": {"is_level": "token", "is_threshold": TIS_THRESHOLD}},
-    "+seq_mask_geometric": {"correction": {"rs": ["seq_mean_k1"], "rs_threshold": [GEOMETRIC_BAND]}},
+    "+score_centring": {"algorithm.score_centering": True, "sampler.return_topk": CENTRING_TOPK},
+    "+token_tis": {"correction.is_level": "token", "correction.is_threshold": TIS_THRESHOLD},
+    "+seq_mask_geometric": {"correction.rs": ["seq_mean_k1"], "correction.rs_threshold": [GEOMETRIC_BAND]},
 }
 
 
 def tiny_arm_config(arm: str, *, seed: int, steps: int):
-    """The tiny run (as configs/tiny.yaml: 2-layer Llama, char tokenizer, arithmetic, SFT warm-up) with the
-    covariance loss on dr_grpo advantages A = R − group mean (exactly the tangent's gradient), plus the arm's
-    option. The sampler keeps its own weight copy (share_weights=never) so that a bias can be attached to it."""
-    from covrl.config import build_config
-
-    data = {
-        "run": {"name": arm, "seed": seed, "num_threads": 1},
-        "model": {"source": "tiny", "tiny": {"hidden_size": 64, "num_layers": 2, "num_heads": 4,
-                                             "intermediate_size": 128, "max_positions": 64}},
-        "task": {"name": "arithmetic", "chat_template": False, "n_train": 1000, "n_eval": 50},
-        "sampler": {"temperature": 1.0, "max_new_tokens": 4, "max_batch": 128, "share_weights": "never"},
-        "sft_warmup": {"steps": 60, "lr": 3.0e-3, "batch_size": 64},
-        "algorithm": {"advantage": "dr_grpo", "loss": "covariance"},
-        "optim": {"lr": 1.0e-3, "micro_batch_size": 64},
-        "loop": {"steps": max(1, steps), "prompts_per_step": 16, "group_size": 8},
-        "eval": {"before": False, "after": False},
-        "checkpoint": {"at_end": False},
-        "logging": {"console": False, "curves": False},
-    }
-    for section, values in ARMS[arm].items():
-        data.setdefault(section, {}).update(values)
-    return build_config(data, source=f"repro tangent arm {arm}")
+    """The tiny preset on one-digit addition with the covariance loss on dr_grpo advantages A = R − group mean
+    (exactly the tangent's gradient), plus the arm's option. The sampler keeps its own weight copy
+    (share_weights=never) so that a bias can be attached to it."""
+    return load_preset("tiny", {
+        **ONE_DIGIT_ADDITION, **DRIVEN, "run.name": arm, "run.seed": seed, "sampler.share_weights": "never",
+        "sft_warmup.steps": 60, "algorithm.advantage": "dr_grpo", "optim.lr": 1.0e-3, "loop.steps": max(1, steps),
+        **ARMS[arm],
+    })
 
 
 def biased_sampler_builder(bias):
     """A `build_sampler_fn` for `prepare_run`: the configured sampler with `bias` added to its output logits
     (a forward hook on its own copy's output layer), so q = softmax((z + b)/τ) while the trainer has
     p = softmax(z/τ). The hook survives weight syncs (they load state dicts into the same modules)."""
-    from covrl.rollout import build_sampler
-
     def build(cfg, model, tokenizer):
         if cfg.share_weights != "never":
             raise ValueError("a biased sampler needs sampler.share_weights='never' (its own weight copy)")
@@ -385,8 +358,6 @@ def biased_sampler_builder(bias):
 def _response_logits(model, batch):
     """Trainer logits [B, T, V] (fp32, with grad) that predict the response tokens; same inputs and position ids
     as the Trainer's forward."""
-    import torch
-
     t = batch.response_ids.shape[1]
     ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
     attn = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).long()
@@ -401,8 +372,6 @@ def expected_score_shift(p, q, *, centring_topk: int | None = None, tis_threshol
     c_v = q_v − ρ_tail·p_v, RESEARCH §4). p, q: [..., V] probabilities. Closed forms:
         covariance: q − p;   TIS: m − (Σ m)·p with m = min(p, C·q);   centring: 0 on H, q_v − ρ_tail·p_v off H.
     """
-    import torch
-
     if centring_topk is not None and tis_threshold is not None:
         raise ValueError("expected_score_shift: give centring_topk or tis_threshold, not both")
     if centring_topk is not None:
@@ -430,11 +399,6 @@ def arm_drift(model, batch, bias, configs: dict) -> dict:
     parameter-space size of the drift part A_t·E_{q_t}[score] of the token-mean gradient, with A = dr_grpo.
     Also returns the kept-set KL for masking arms and `sampler_check` = max |log q_t(y_t) − sampler log-prob|.
     """
-    import torch
-
-    from covrl.diagnostics.tangent import tangent_remainder
-    from covrl.math import compute_advantages, rollout_correction
-
     params = [p for p in model.parameters() if p.requires_grad]
     mask = batch.response_mask.float()
     z = _response_logits(model, batch)
@@ -483,43 +447,27 @@ _TRAIN_KEYS = ("reward/mean", "mismatch/k3", "kl_seq", "tangent", "remainder", "
 def _train_arm(arm: str, *, seed: int, steps: int, bias, run_root: Path) -> dict:
     """`steps` RL steps of covrl's Trainer on the tiny task with the biased sampler; before each update the
     drift of every arm is measured on the step's batch (same weights as the sampler)."""
-    import torch
-
-    from covrl.repro.common import next_scored_batch
-    from covrl.rollout import SamplerConfig, build_sampler
-    from covrl.train.evaluate import evaluate
-    from covrl.train.run import prepare_run
-
     cfg = tiny_arm_config(arm, seed=seed, steps=steps)
     configs = {name: tiny_arm_config(name, seed=seed, steps=steps) for name in ARMS}
-    run = prepare_run(cfg, run_dir=run_root / f"{arm}-seed{seed}", console=False,
-                      build_sampler_fn=biased_sampler_builder(bias))
-    records = []
-    try:
-        for _ in range(steps):
-            batch, _ = next_scored_batch(run)
-            drift = arm_drift(run.model, batch, bias, configs)
-            metrics = run.trainer.step(batch)
-            run.sampler.load_weights(run.model, run.trainer.version)
-            records.append({"drift": drift, **{k: float(metrics[k]) for k in _TRAIN_KEYS if k in metrics}})
+    with ArmRunner(Arm(cfg, run_root / f"{arm}-seed{seed}", build_sampler_fn=biased_sampler_builder(bias))) as runner:
+        def drift_of_every_arm(step: int, batch) -> dict:
+            return {"drift": arm_drift(runner.run.model, batch, bias, configs)}
+
+        def record(step: Step) -> dict:
+            return {"drift": step.extra["drift"], **pick(step.metrics, _TRAIN_KEYS)}
+
+        records = runner.drive(steps, on_batch=drift_of_every_arm, record=record, log=False)
         # held-out accuracy of the trainer's own (unbiased) policy, greedy
+        run = runner.run
         plain = build_sampler(SamplerConfig(max_new_tokens=cfg.sampler.max_new_tokens, share_weights="always"),
                               run.model, run.tokenizer)
         with torch.no_grad():
             held_out = evaluate(plain, run.task, run.tokenizer, run.task.eval[: cfg.eval.max_prompts or 50],
                                 seed=seed + 17, greedy=True, sampled=False)
-    finally:
-        run.close()
     return {"records": records, "eval_greedy_unbiased": float(held_out["greedy"]["accuracy"])}
 
 
 def _drift_section(result, cfg: Settings, seed: int) -> dict:
-    import tempfile
-
-    import torch
-
-    from covrl.repro.common import next_scored_batch
-    from covrl.train.run import prepare_run
 
     bias = DRIFT_BIAS_SIGMA * torch.randn(100, generator=torch.Generator().manual_seed(4000 + seed))
     arms = list(ARMS)
@@ -528,13 +476,10 @@ def _drift_section(result, cfg: Settings, seed: int) -> dict:
         if cfg.drift_train_steps == 0:  # one batch from the SFT-warmed tiny model, every arm's drift on it
             run_cfg = tiny_arm_config(base, seed=seed, steps=1)
             configs = {name: tiny_arm_config(name, seed=seed, steps=1) for name in arms}
-            run = prepare_run(run_cfg, run_dir=Path(tmp) / "one-batch", console=False,
-                              build_sampler_fn=biased_sampler_builder(bias))
-            try:
-                batch, _ = next_scored_batch(run)
-                drift = arm_drift(run.model, batch, bias, configs)
-            finally:
-                run.close()
+            one_batch = Arm(run_cfg, Path(tmp) / "one-batch", build_sampler_fn=biased_sampler_builder(bias))
+            with ArmRunner(one_batch) as runner:
+                batch, _ = runner.next_batch()
+                drift = arm_drift(runner.run.model, batch, bias, configs)
             runs = {arm: [{"records": [{"drift": drift, "reward/mean": float(batch.rewards.mean())}]}]
                     for arm in arms}
         else:
@@ -596,11 +541,7 @@ def _drift_section(result, cfg: Settings, seed: int) -> dict:
 
 
 def _figure(out_dir: Path, pairs: dict, scaling: dict, mono: dict) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     fig, axes = plt.subplots(2, 2, figsize=(11, 8.5))
     ax = axes[0, 0]
     rows = [r for r in pairs["rows"] if r["bound"] > 0 and abs(r["remainder"]) > 0]
@@ -655,19 +596,11 @@ def _figure(out_dir: Path, pairs: dict, scaling: dict, mono: dict) -> str:
     ax.set_ylabel("J = E[R]")
     ax.set_title("Maximise the lower bound with q fixed, then sync")
     ax.legend(fontsize=7)
-    fig.tight_layout()
-    name = "tangent.png"
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir / "tangent.png", dpi=110)
 
 
 def _drift_figure(out_dir: Path, drift: dict) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = pyplot()
     arms, runs = drift["arms"], drift["runs"]
     name = "tangent_drift.png"
     if drift["train_steps"] == 0:
@@ -696,10 +629,7 @@ def _drift_figure(out_dir: Path, drift: dict) -> str:
             ax.set_xlabel("RL step")
             ax.legend(fontsize=7)
         fig.suptitle(f"Tiny transformer, sampler logit bias N(0, {DRIFT_BIAS_SIGMA}²): drift vs IS vs masking")
-    fig.tight_layout()
-    fig.savefig(out_dir / name, dpi=110)
-    plt.close(fig)
-    return name
+    return save_figure(fig, out_dir / name, dpi=110)
 
 
 def _notes(cfg: Settings) -> str:

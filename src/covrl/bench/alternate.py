@@ -1,0 +1,120 @@
+"""Alternating workers of the covrl-vs-TRL benchmarks: covrl and TRL each run in their own child process (so
+peak RSS is per side). The parent tells one worker at a time to do one optimisation step and waits for its
+record, alternating sides (and flipping the order every step), so background load on a shared machine hits both
+sides alike. `summarize` turns a side's step records into its throughput numbers."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import statistics
+import time
+from typing import Any
+
+from covrl.bench.common import load1
+from covrl.bench.covrl_side import covrl_worker
+from covrl.bench.models import model_dir, quiet_transformers
+from covrl.bench.settings import StepSettings
+from covrl.bench.trl_side import trl_worker
+
+WORKERS = {"trl": trl_worker, "covrl": covrl_worker}
+
+
+def _entry(side: str, conn, settings: StepSettings) -> None:
+    try:
+        quiet_transformers()
+        WORKERS[side](conn, settings)
+    except BaseException as err:  # report to the parent instead of leaving it waiting
+        import traceback
+
+        conn.send({"error": f"{type(err).__name__}: {err}", "traceback": traceback.format_exc()})
+        raise
+
+
+def run_alternating(settings: StepSettings | dict[str, StepSettings], sides: tuple[str, ...] = ("covrl", "trl"),
+                    timeout_s: float = 3600.0, progress=None) -> dict[str, Any]:
+    """Start one worker per side (`settings` shared, or one per side), then step them alternately (order
+    flipped every round) until each reports `finished`. Returns each side's ready message, step records
+    (warm-up steps dropped), summaries and the load average seen each round. `progress(text)`, when given,
+    receives one line per step."""
+    per_side = settings if isinstance(settings, dict) else {side: settings for side in sides}
+    for s in per_side.values():  # write the model folders once, before the workers race for them
+        model_dir(s.model, s.cache_dir)
+    ctx = mp.get_context("spawn")
+    procs, conns = {}, {}
+    for side in sides:
+        parent_conn, child_conn = ctx.Pipe()
+        proc = ctx.Process(target=_entry, args=(side, child_conn, per_side[side]), daemon=True)
+        proc.start()
+        procs[side], conns[side] = proc, parent_conn
+    records: dict[str, list[dict]] = {side: [] for side in sides}
+    all_records: dict[str, list[dict]] = {side: [] for side in sides}
+    loads = []
+    try:
+        ready = {side: _recv(conns[side], side, timeout_s, procs[side]) for side in sides}
+        active = list(sides)
+        step = 0
+        while active:
+            for side in (active if step % 2 == 0 else list(reversed(active))):
+                conns[side].send("go")
+                rec = _recv(conns[side], side, timeout_s, procs[side])
+                rec["load1"] = load1()
+                rec["step"] = step
+                all_records[side].append(rec)
+                if progress is not None:
+                    acc = f", accuracy {rec['accuracy']:.0%}" if "accuracy" in rec else ""
+                    progress(f"{side} step {step + 1}: {rec['step_time']:.2f} s (generation {rec['gen_time']:.2f} s)"
+                             f"{acc}, load {rec['load1']:.1f}")
+                if step >= per_side[side].warmup_steps:
+                    records[side].append(rec)
+                if rec.get("finished"):
+                    _recv(conns[side], side, timeout_s, procs[side])  # "done"
+                    active.remove(side)
+            loads.append(load1())
+            step += 1
+    finally:
+        for proc in procs.values():
+            proc.join(timeout=30)
+            if proc.is_alive():
+                proc.terminate()
+    return {"ready": ready, "records": records, "all_records": all_records,
+            "summary": {s: summarize(r, per_side[s].batch_size) for s, r in records.items()}, "load1": loads}
+
+
+def _recv(conn, side: str, timeout_s: float, proc=None) -> dict:
+    """Next message of a worker; raises if it reports an error, dies silently, or says nothing in time."""
+    deadline = time.monotonic() + timeout_s
+    while not conn.poll(1.0):
+        if proc is not None and not proc.is_alive() and not conn.poll(0):
+            raise RuntimeError(f"{side} worker exited (code {proc.exitcode}) without a result")
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"{side} worker sent nothing for {timeout_s:.0f} s")
+    msg = conn.recv()
+    if "error" in msg:
+        raise RuntimeError(f"{side} worker failed: {msg['error']}\n{msg.get('traceback', '')}")
+    return msg
+
+
+def summarize(records: list[dict], rollouts_per_step: int | None = None) -> dict[str, float]:
+    """Median step time and rollouts/s; tokens/s as total tokens over total time (robust to uneven steps):
+    generated tokens over generation time, trained tokens over the rest of the step (reward, forward,
+    backward, optimizer, weight sync), and generated tokens over the whole step (end to end)."""
+    if not records:
+        return {}
+    total_time = sum(r["step_time"] for r in records)
+    gen_time = sum(r.get("gen_time", 0.0) for r in records)
+    gen_tokens = sum(r["gen_tokens"] for r in records)
+    trained = sum(r["trained_tokens"] for r in records)
+    median_step = statistics.median(r["step_time"] for r in records)
+    return {
+        "steps": len(records),
+        "median_step_s": median_step,
+        "median_gen_s": statistics.median(r.get("gen_time", 0.0) for r in records),
+        "rollouts_per_s": (rollouts_per_step / median_step) if rollouts_per_step else float("nan"),
+        "gen_tokens_per_step": gen_tokens / len(records),
+        "gen_tokens_per_s": gen_tokens / gen_time if gen_time > 0 else float("nan"),
+        "trained_tokens_per_s": trained / (total_time - gen_time) if total_time > gen_time else float("nan"),
+        "step_tokens_per_s": gen_tokens / total_time,
+        "peak_rss_mb": max(r["rss_peak_mb"] for r in records),
+        "reward_mean": statistics.fmean(r.get("reward_mean", float("nan")) for r in records),
+        "mean_load1": statistics.fmean(r["load1"] for r in records),
+    }
