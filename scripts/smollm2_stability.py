@@ -156,7 +156,7 @@ def step_cost(run, cfg, repeats: int) -> dict[str, float]:
     The batch comes from a generator of its own, so the run's sample path is untouched."""
     import torch
 
-    from covrl.train.loop import score_rollouts
+    from covrl.train.sources import score_rollouts
     from covrl.train.trainer import Trainer
 
     n = cfg.loop.group_size
@@ -164,7 +164,7 @@ def step_cost(run, cfg, repeats: int) -> dict[str, float]:
     prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
     gen = torch.Generator().manual_seed(cfg.run.seed + 101)
     batch = run.sampler.generate(prompts, n, generator=gen)
-    score_rollouts(run.task, run.tokenizer, batch, examples, n, positions)
+    batch = score_rollouts(run.task, run.tokenizer, batch, examples, n, positions)
     batch = replace(batch, **{k: v.clone() for k, v in batch.tensor_fields().items()})   # inference -> autograd
     state = {k: v.detach().clone() for k, v in run.model.state_dict().items()}
     trainers = {}
