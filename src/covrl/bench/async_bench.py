@@ -21,8 +21,14 @@ import os
 import time
 from pathlib import Path
 
+from covrl.bench.common import write_bench
 from covrl.config import load_config
 from covrl.repro.presets import load_preset, override_strings
+from covrl.train.async_loop import prepare_async_run, train_async
+from covrl.train.loop import train_sync
+from covrl.train.ray_backend import ensure_ray, start_sampler_actors, train_ray
+from covrl.train.run import prepare_run
+from covrl.train.sinks import read_jsonl
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -68,10 +74,6 @@ def _config(args, mode: str, run_root: Path):
 
 def _measure(mode: str, cfg, records_key: str = "metrics.jsonl") -> dict:
     """Train `cfg` in `mode`; returns rollouts/s over the loop and the staleness/idle statistics."""
-    from covrl.train.async_loop import prepare_async_run, train_async
-    from covrl.train.loop import train_sync
-    from covrl.train.run import prepare_run
-    from covrl.train.sinks import read_jsonl
 
     out: dict = {"mode": mode}
     if mode == "sync":
@@ -87,7 +89,6 @@ def _measure(mode: str, cfg, records_key: str = "metrics.jsonl") -> dict:
         wall = time.perf_counter() - t0
         run.close()
     else:
-        from covrl.train.ray_backend import ensure_ray, start_sampler_actors, train_ray
 
         os.environ.setdefault("RAY_AUTH_MODE", "disabled")
         started = ensure_ray(cfg.async_loop)
@@ -134,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from covrl.bench.common import write_bench
 
     if args.quick:
         args.model, args.steps, args.prompts_per_step, args.group_size = "tiny", 3, 4, 4

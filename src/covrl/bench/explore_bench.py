@@ -11,6 +11,9 @@ import argparse
 import math
 from pathlib import Path
 
+from covrl.bench.common import write_bench
+from covrl.explore.loop import run_bandit
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dims", default="50,100,200,400,1000", help="comma-separated dimensions d")
@@ -25,8 +28,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def run(args: argparse.Namespace) -> int:
     import torch
 
-    from covrl.bench.common import write_bench
-    from covrl.explore.loop import run_bandit
 
     torch.set_num_threads(args.threads)
     dims = [int(d) for d in args.dims.split(",") if d.strip()]

@@ -18,9 +18,10 @@ import argparse
 import statistics
 import time
 
-from covrl.bench.common import source_state
+from covrl.bench.common import source_state, write_bench
 from covrl.bench.models import DEFAULT_CACHE, load_model
 from covrl.bench.settings import StepSettings, build_bench_task, default_task_overrides
+from covrl.rollout import SamplerConfig, build_sampler
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -126,7 +127,6 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from covrl.bench.common import write_bench
 
     if args.quick:
         args.model, args.batch_sizes, args.max_new_tokens, args.repeats = "tiny", "1,8", 8, 1
@@ -141,7 +141,6 @@ def run(args: argparse.Namespace) -> int:
                                  task=default_task_overrides(args.model))
     _, prompts = build_bench_task(settings, tokenizer)
 
-    from covrl.rollout import SamplerConfig, build_sampler
 
     sampler = build_sampler(SamplerConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
                                           max_batch=max(int(b) for b in args.batch_sizes.split(","))),

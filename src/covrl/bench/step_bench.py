@@ -21,9 +21,13 @@ import argparse
 import statistics
 import time
 
-from covrl.bench.common import source_state
+from covrl.bench.common import source_state, write_bench
 from covrl.bench.models import DEFAULT_CACHE, load_model
 from covrl.bench.settings import StepSettings, bench_train_config, default_task_overrides
+from covrl.math import token_logprobs
+from covrl.models import frozen_copy
+from covrl.rollout import ScoredBatch
+from covrl.train.trainer import Trainer, forward_response
 
 # name -> config sections (dicts) merged over the plain step; "needs" lists extra inputs
 VARIANTS: dict[str, dict] = {
@@ -63,8 +67,6 @@ def synthetic_batch(model, vocab: int, rows: int, prompt_len: int, resp_len: int
     """A scored RolloutBatch of random tokens whose sampler log-probs are the model's own plus small noise."""
     import torch
 
-    from covrl.math import token_logprobs
-    from covrl.rollout import ScoredBatch
 
     g = torch.Generator().manual_seed(seed)
     low = 4 if vocab > 8 else 0  # keep clear of special ids
@@ -91,7 +93,6 @@ def prompt_sharing_check(model, batch) -> dict[str, float]:
     `forward_response` with and without `share_prompts` on the same batch and loss."""
     import torch
 
-    from covrl.train.trainer import forward_response
 
     mask = batch.response_mask
     grads, lps = [], []
@@ -109,7 +110,6 @@ def prompt_sharing_check(model, batch) -> dict[str, float]:
 def _fwd_bwd(model, batch, with_stats: bool, share_prompts: bool = True) -> float:
     import torch
 
-    from covrl.train.trainer import forward_response
 
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
@@ -127,9 +127,6 @@ def run(args: argparse.Namespace) -> int:
 
     import torch
 
-    from covrl.bench.common import write_bench
-    from covrl.models import frozen_copy
-    from covrl.train.trainer import Trainer
 
     if args.quick:
         args.model, args.micro_batches, args.lengths, args.rows, args.repeats = "tiny", "4", "8", 8, 1

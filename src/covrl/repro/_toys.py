@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import functools
 
+from covrl.models import char_tokenizer, tiny_llama
+
 PROMPT_LEN = 6  # "ab+cd=" after BOS
 ANSWER_LEN = 4  # "xyz\n": three zero-padded digits and a newline
 # SFT steps of the shared tiny model; the fast variants share one (cached) model per process
@@ -19,7 +21,6 @@ def addition_text(a: int, b: int) -> tuple[str, str]:
 def _pretrained_state(steps: int, hidden: int, layers: int, seed: int, batch: int = 48):
     import torch
 
-    from covrl.models import char_tokenizer, tiny_llama
 
     tok = char_tokenizer()
     model = tiny_llama(len(tok), hidden_size=hidden, num_layers=layers, num_heads=4, intermediate_size=2 * hidden,
@@ -42,7 +43,6 @@ def pretrained_tiny(steps: int = 300, hidden: int = 64, layers: int = 2, seed: i
     """(model, tokenizer, final SFT loss): a tiny Llama trained by SFT on 'ab+cd=xyz\\n' so that its policy
     is confident on format tokens and spread over digits it cannot yet add. Cached per process."""
 
-    from covrl.models import char_tokenizer, tiny_llama
 
     state, loss = _pretrained_state(steps, hidden, layers, seed)
     tok = char_tokenizer()

@@ -41,7 +41,14 @@ from covrl.repro.common import ReproResult, pyplot, save_figure
 from covrl.repro.presets import DRIVEN, ONE_DIGIT_ADDITION, load_preset
 from covrl.repro.stats import paired_ratio_ci
 from covrl.tasks import build_task
+from covrl.train.async_config import AsyncLoopConfig
+from covrl.train.async_loop import build_async_sampler, train_async
+from covrl.train.batch_scaling import lr_for_batch
+from covrl.train.data import DataStream
+from covrl.train.run import Run, seed_everything
 from covrl.train.sft import sft_warmup
+from covrl.train.sinks import JsonlSink, read_jsonl
+from covrl.train.trainer import Trainer
 
 CLAIM = ("The sampler–trainer gap is an engine floor plus staleness; on a data clock, a step size that follows "
          "the optimizer (SGD ∝ B, Adam ∝ √B) and a queue sized in rollouts keep the gap fixed as the batch grows.")
@@ -92,7 +99,6 @@ def toy_gap(optimizer: str, rule: str, batch: int, s: ToySettings, *, lag_in_rol
     ascent with SGD (θ += lr·g) or Adam (β = beta1, 0.999, ε = 1e-8); lr = lr_for_batch(base_lr, B0, B, rule).
     L = Q/B (lag_in_rollouts) or fixed_lag_steps. Returns gap (mean over window and seeds), its standard error
     over seeds, and the mean parameter drift ‖θ_k − θ_{k−L}‖."""
-    from covrl.train.batch_scaling import lr_for_batch
 
     g = torch.Generator().manual_seed(10_000 + seed)
     S, T, V = s.seeds, s.positions, s.vocab
@@ -138,7 +144,6 @@ def toy_gap(optimizer: str, rule: str, batch: int, s: ToySettings, *, lag_in_rol
 
 def toy_section(s: ToySettings, seed: int) -> dict[str, dict[int, dict[str, float]]]:
     """gap per rule per batch (runs with the same optimizer, lr, batch and lag are shared)."""
-    from covrl.train.batch_scaling import lr_for_batch
 
     out: dict[str, dict[int, dict[str, float]]] = {}
     cache: dict[tuple, dict[str, float]] = {}
@@ -227,12 +232,6 @@ def tiny_run(base: TinyBase, name: str, *, prompts: int, queue: int, lr: float, 
              beta1: float = 0.9, keep_metrics: bool = True) -> tuple[list[dict], dict, Any]:
     """One deterministic async run (serial emulation) from the shared warm-started weights; returns the
     per-step records, the summary and the trained model."""
-    from covrl.train.async_config import AsyncLoopConfig
-    from covrl.train.async_loop import build_async_sampler, train_async
-    from covrl.train.data import DataStream
-    from covrl.train.run import Run, seed_everything
-    from covrl.train.sinks import JsonlSink, read_jsonl
-    from covrl.train.trainer import Trainer
 
     B = prompts * base.cfg.loop.group_size
     steps = max(1, rollouts // B)
@@ -304,7 +303,6 @@ def tiny_scaling_section(base: TinyBase, t: TinySettings, seed: int) -> dict[str
       start = max over the rule's runs of (Q_run + transient_steps·B). It ends at t.rollouts.
     - Seeds: t.seeds for the rules in KEEPS_GAP, t.wrong_rule_seeds for the others; seed k uses sampling and
       data seed `seed + k` at every B (the same prompts on the data clock), from the same burned-in weights."""
-    from covrl.train.batch_scaling import lr_for_batch
 
     B0 = t.base_prompts * t.group_size
     out: dict[str, dict[int, dict[str, Any]]] = {}

@@ -12,6 +12,8 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+from covrl.train.sources import SyncSource
+
 
 @dataclass
 class Criterion:
@@ -112,7 +114,6 @@ def next_scored_batch(run):
     inference mode; they are cloned into normal tensors so that the trainer's autograd can use them."""
     from dataclasses import replace
 
-    from covrl.train.sources import SyncSource
 
     sb = SyncSource(run).next_batch(run.trainer.version)
     return replace(sb.batch, **{k: v.clone() for k, v in sb.batch.tensor_fields().items()}), list(sb.examples)

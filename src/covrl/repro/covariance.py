@@ -21,7 +21,12 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from covrl.repro.common import pyplot, save_figure
+from covrl.diagnostics import covariance_split
+from covrl.diagnostics.reach import as_sequences, per_sample_scores, select_params
+from covrl.math import policy_loss, score_centering_term
+from covrl.models import tiny_llama
+from covrl.repro._toys import full_precision_norms
+from covrl.repro.common import ReproResult, pyplot, save_figure
 
 CLAIM = (
     "On the model's own samples the expected policy gradient is Cov(A, s) and the Fisher is Var(s): a parameter "
@@ -51,7 +56,6 @@ FULL = Settings()
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     import torch
 
-    from covrl.repro.common import ReproResult
 
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -81,10 +85,6 @@ def _identity_section(result, cfg: Settings, seed: int) -> dict:
 
     import torch
 
-    from covrl.diagnostics import covariance_split
-    from covrl.diagnostics.reach import per_sample_scores, select_params
-    from covrl.models import tiny_llama
-    from covrl.repro._toys import full_precision_norms
 
     model = tiny_llama(cfg.vocab, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32,
                        max_positions=8, seed=seed).double()
@@ -95,7 +95,6 @@ def _identity_section(result, cfg: Settings, seed: int) -> dict:
     ids = torch.cat([torch.ones(len(responses), 1, dtype=torch.long), responses], dim=1)
     score = torch.zeros(ids.shape, dtype=torch.bool)
     score[:, 1:] = True
-    from covrl.diagnostics.reach import as_sequences
 
     seqs = as_sequences({"input_ids": ids, "score_mask": score})
     params = select_params(model)
@@ -128,7 +127,6 @@ def _identity_section(result, cfg: Settings, seed: int) -> dict:
 def _factor_section(result, cfg: Settings, seed: int) -> dict:
     import torch
 
-    from covrl.diagnostics import covariance_split
 
     K = cfg.factor_vocab
     value = torch.linspace(0.0, 1.0, K, dtype=torch.float64)  # reward = value of the first token
@@ -252,11 +250,6 @@ def _library_check(result, cfg: Settings, reward, b1, b2) -> dict:
     probabilities) must give the closed-form centred gradient: 0 on the second-token logits."""
     import torch
 
-    try:
-        from covrl.math import policy_loss, score_centering_term
-    except ImportError as err:  # pragma: no cover - the math layer is part of the package
-        result.check("covrl.math score_centering_term available", str(err), "importable", False)
-        return {}
     V = cfg.drift_vocab
     gen = torch.Generator().manual_seed(99)
     t1 = (0.5 * torch.randn(V, generator=gen, dtype=torch.float64)).requires_grad_()

@@ -18,7 +18,8 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from covrl.repro.common import pyplot, save_figure
+from covrl.explore.loop import run_bandit
+from covrl.repro.common import ReproResult, pyplot, save_figure
 
 CLAIM = (
     "Linear Ensemble++ (θ = μ + Aζ, Kalman-form particle updates) nearly matches exact linear Thompson sampling "
@@ -55,7 +56,6 @@ def _env_opts(d: int, arms: int) -> dict:
 def minimal_matching_M(d: int, arms: int, cfg: Settings, seeds: int, seed: int) -> dict:
     """Smallest M on the grid whose mean cumulative regret is ≤ (1 + tolerance) × exact LinTS's, on common
     instances; returns it with the whole regret curve over M (None if no grid M matches)."""
-    from covrl.explore.loop import run_bandit
 
     opts = _env_opts(d, arms)
     ts = run_bandit("linear", "lints", steps=cfg.steps, seeds=seeds, seed=seed, env_options=opts)
@@ -76,8 +76,6 @@ def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     plt = pyplot()
     import torch
 
-    from covrl.explore.loop import run_bandit
-    from covrl.repro.common import ReproResult
 
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -20,7 +20,8 @@ import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from covrl.repro.common import pyplot, save_figure
+from covrl.explore.loop import run_bandit
+from covrl.repro.common import ReproResult, pyplot, save_figure
 
 CLAIM = (
     "Neural Ensemble++ (shared network, M linear heads on stop-gradient features, index as input) matches or "
@@ -71,8 +72,6 @@ def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     plt = pyplot()
     import torch
 
-    from covrl.explore.loop import run_bandit
-    from covrl.repro.common import ReproResult
 
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -21,7 +21,16 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from covrl.repro.common import pyplot, save_figure
+from covrl.diagnostics import output_layer_signal, update_spectrum
+from covrl.repro._toys import (
+    ANSWER_LEN,
+    PRETRAIN_STEPS,
+    addition_prompts,
+    addition_reward,
+    pretrained_tiny,
+    sample_fixed,
+)
+from covrl.repro.common import ReproResult, pyplot, save_figure
 
 CLAIM = (
     "At the output layer only competing rows move: the backprop signal is the drawn row minus the sampler's "
@@ -57,7 +66,6 @@ FULL = Settings()
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     import torch
 
-    from covrl.repro.common import ReproResult
 
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -99,7 +107,6 @@ def _toy(cfg: Settings, tail: float, gen, comp_scale: float = 1.0):
 def _tail_sweep(result, cfg: Settings, seed: int) -> dict:
     import torch
 
-    from covrl.diagnostics import update_spectrum
 
     K = cfg.competing
     energies = {}
@@ -140,7 +147,6 @@ def _reward_table(cfg: Settings, X, gen):
 def _optimizer_section(result, cfg: Settings, seed: int) -> dict:
     import torch
 
-    from covrl.diagnostics import update_spectrum
 
     K, d = cfg.competing, cfg.dim
     out = {}
@@ -224,15 +230,6 @@ def _lora_section(result, cfg: Settings, seed: int) -> dict:
 def _transformer_section(result, cfg: Settings, seed: int, fast: bool) -> dict:
     import torch
 
-    from covrl.diagnostics import output_layer_signal
-    from covrl.repro._toys import (
-        ANSWER_LEN,
-        PRETRAIN_STEPS,
-        addition_prompts,
-        addition_reward,
-        pretrained_tiny,
-        sample_fixed,
-    )
 
     model, tok, sft_loss = pretrained_tiny(PRETRAIN_STEPS[fast], seed=seed)
     gen = torch.Generator().manual_seed(seed * 1000 + 5)

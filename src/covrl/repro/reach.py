@@ -22,7 +22,19 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from covrl.repro.common import pyplot, save_figure
+from covrl.diagnostics import reach_bound
+from covrl.diagnostics.reach import as_sequences, select_params, sequence_logprobs
+from covrl.repro._toys import (
+    ANSWER_LEN,
+    PRETRAIN_STEPS,
+    addition_prompts,
+    addition_reward,
+    addition_text,
+    pretrained_tiny,
+    sample_fixed,
+    score_mask,
+)
+from covrl.repro.common import ReproResult, pyplot, save_figure
 
 CLAIM = (
     "Per unit step of policy gradient the log-odds of two responses change by at most std(A)·‖s(y1) − s(y2)‖ in "
@@ -51,7 +63,6 @@ FULL = Settings()
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     import torch
 
-    from covrl.repro.common import ReproResult
 
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -163,7 +174,6 @@ def _enumeration(n: int):
 def _bound_section(result, cfg: Settings, seed: int) -> None:
     import torch
 
-    from covrl.diagnostics import reach_bound
 
     ratios = {}
     for n in (2, cfg.responses):
@@ -256,18 +266,6 @@ def _transformer_section(result, cfg: Settings, seed: int, fast: bool) -> dict:
 
     import torch
 
-    from covrl.diagnostics import reach_bound
-    from covrl.diagnostics.reach import select_params, sequence_logprobs
-    from covrl.repro._toys import (
-        ANSWER_LEN,
-        PRETRAIN_STEPS,
-        addition_prompts,
-        addition_reward,
-        addition_text,
-        pretrained_tiny,
-        sample_fixed,
-        score_mask,
-    )
 
     model, tok, _ = pretrained_tiny(PRETRAIN_STEPS[fast], seed=seed, dtype=torch.float64)
     gen = torch.Generator().manual_seed(seed * 1000 + 17)
@@ -324,7 +322,6 @@ def _transformer_section(result, cfg: Settings, seed: int, fast: bool) -> dict:
 
 
 def _rows_of(x):
-    from covrl.diagnostics.reach import as_sequences
 
     return as_sequences(x)
 

@@ -23,7 +23,10 @@ import math
 from dataclasses import dataclass
 from pathlib import Path
 
-from covrl.repro.common import pyplot, save_figure
+from covrl.explore.envs import make_env
+from covrl.explore.linear import LinearEnsemblePP
+from covrl.explore.tracking import BandTracker
+from covrl.repro.common import ReproResult, pyplot, save_figure
 
 CLAIM = (
     "Under the agent's own (adaptive) Thompson-sampling data, the eigenvalue band of Σ^{-1/2}AAᵀΣ^{-1/2} over all "
@@ -48,9 +51,6 @@ def band_run(cfg: Settings, M: int, adaptive: bool, seed: int) -> dict:
     """Play T rounds and record the band at every t; returns per-seed uniform and fixed-time bands."""
     import torch
 
-    from covrl.explore.envs import make_env
-    from covrl.explore.linear import LinearEnsemblePP
-    from covrl.explore.tracking import BandTracker
 
     env = make_env("linear", S=cfg.seeds, seed=seed, d=cfg.d, n_arms=cfg.arms, prior_var=10.0, noise_std=1.0)
     agent = LinearEnsemblePP(cfg.d, M, prior_var=10.0, noise_var=1.0, reference="gaussian",
@@ -83,7 +83,6 @@ def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     plt = pyplot()
     import torch
 
-    from covrl.repro.common import ReproResult
 
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)

@@ -19,7 +19,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from pathlib import Path
 
-from covrl.repro.common import pyplot, save_figure
+from covrl.diagnostics import covariance_split, fisher_cap, update_sparsity
+from covrl.diagnostics.fisher import concentration, fisher_diagonal
+from covrl.diagnostics.reach import as_sequences, sequence_logprobs
+from covrl.repro._toys import (
+    ANSWER_LEN,
+    PRETRAIN_STEPS,
+    addition_prompts,
+    addition_reward,
+    addition_text,
+    pretrained_tiny,
+    sample_fixed,
+    score_mask,
+)
+from covrl.repro.common import ReproResult, pyplot, save_figure
 
 CLAIM = (
     "With the score centred under the sampler the sampler Fisher caps every coordinate of a policy-gradient "
@@ -52,7 +65,6 @@ FULL = Settings()
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     import torch
 
-    from covrl.repro.common import ReproResult
 
     torch.set_num_threads(1)
     out_dir.mkdir(parents=True, exist_ok=True)
@@ -105,8 +117,6 @@ def _scores(X, pi):
 def _toy_sections(result, cfg: Settings, seed: int) -> dict:
     import torch
 
-    from covrl.diagnostics import covariance_split
-    from covrl.diagnostics.fisher import concentration
 
     X, W0, R = _toy(cfg, seed)
     N, V = R.shape
@@ -172,7 +182,6 @@ def _toy_sections(result, cfg: Settings, seed: int) -> dict:
 
 
 def _lm_batch(model, tok, n: int, gen, top_k: int = 0):
-    from covrl.repro._toys import ANSWER_LEN, addition_prompts, addition_reward, sample_fixed, score_mask
 
     pairs, prompts = addition_prompts(tok, n, gen)
     ids, lq = sample_fixed(model, prompts, ANSWER_LEN, gen, top_k=top_k)
@@ -184,8 +193,6 @@ def _lm_batch(model, tok, n: int, gen, top_k: int = 0):
 def _transformer_cap_section(result, cfg: Settings, seed: int, fast: bool) -> dict:
     import torch
 
-    from covrl.diagnostics import fisher_cap
-    from covrl.repro._toys import PRETRAIN_STEPS, pretrained_tiny
 
     model, tok, _ = pretrained_tiny(PRETRAIN_STEPS[fast], seed=seed, dtype=torch.float64)
     out = {}
@@ -207,10 +214,6 @@ def _transformer_cap_section(result, cfg: Settings, seed: int, fast: bool) -> di
 def _transformer_sparsity_section(result, cfg: Settings, seed: int, fast: bool) -> dict:
     import torch
 
-    from covrl.diagnostics import update_sparsity
-    from covrl.diagnostics.fisher import concentration, fisher_diagonal
-    from covrl.diagnostics.reach import as_sequences, sequence_logprobs
-    from covrl.repro._toys import PRETRAIN_STEPS, addition_text, pretrained_tiny, score_mask
 
     base, tok, _ = pretrained_tiny(PRETRAIN_STEPS[fast], seed=seed)
     gen = torch.Generator().manual_seed(seed * 1000 + 29)
