@@ -1,9 +1,8 @@
 """Named config presets (configs/NAME.yaml) for the reproductions, benchmarks and tests: an experiment's
 config reads as "preset + these overrides".
 
-The YAMLs live in the repository's `configs/`. pyproject's package-data lists `covrl/configs/*.yaml`, so an
-installed package that ships them has them next to its modules; a checkout (editable install, PYTHONPATH=src)
-has them three levels above this file. Both places are looked at, the packaged one first."""
+The YAMLs live in the package (`src/covrl/configs/`, package data, so an installed covrl has them); the
+repository's `configs/` is a link to that folder, so `--config configs/default.yaml` works in a checkout."""
 
 from __future__ import annotations
 
