@@ -108,7 +108,8 @@ def test_aggregation_modes_hand_cases():
 
 def test_policy_loss_errors():
     z = torch.zeros(2, 3)
-    with pytest.raises(ValueError, match=r"valid choices: \['covariance', 'ppo_clip', 'reinforce'\]"):
+    names = r"\['cispo', 'covariance', 'gmpo', 'gspo', 'gspo_token', 'ppo_clip', 'reinforce', 'sapo'\]"
+    with pytest.raises(ValueError, match=r"valid choices: " + names):
         policy_loss("grpo", logprobs=z, sampler_logprobs=z, advantages=z, mask=z)
     with pytest.raises(ValueError, match=r"advantages \[2, 2\]"):
         policy_loss("ppo_clip", logprobs=z, sampler_logprobs=z, advantages=z[:, :2], mask=z)

@@ -79,7 +79,7 @@ def test_losses_finite_values_and_gradients(batch, name, agg_mode):
     adv = cm.compute_advantages("grpo", rewards=rewards, mask=mask, group_ids=groups).advantages
     corr = cm.rollout_correction(lp.detach(), sampler_lp, mask,
                                  cm.CorrectionConfig(is_level="token", rs=["seq_mean_k3"], rs_threshold=[10.0]))
-    is_w = None if name == "ppo_clip" else corr.weights
+    is_w = corr.weights if cm.LOSS_SPECS[name].takes_is_weights else None
     out = cm.policy_loss(name, logprobs=lp, sampler_logprobs=sampler_lp, advantages=adv, mask=corr.keep,
                          is_weights=is_w, agg_mode=agg_mode)
     ids = tokens[..., None].expand(*tokens.shape, 2).clone()

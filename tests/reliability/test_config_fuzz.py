@@ -39,7 +39,8 @@ def leaf_fields(cls: type[BaseModel], prefix: tuple = ()) -> list[str]:
     out = []
     for name, field in cls.model_fields.items():
         ann = field.annotation
-        sub = [a for a in (ann, *typing.get_args(ann)) if isinstance(a, type) and issubclass(a, BaseModel)]
+        args = () if typing.get_origin(ann) in (list, tuple, dict) else typing.get_args(ann)   # a list of models is a leaf
+        sub = [a for a in (ann, *args) if isinstance(a, type) and issubclass(a, BaseModel)]
         out += leaf_fields(sub[0], prefix + (name,)) if sub else [".".join(prefix + (name,))]
     return out
 

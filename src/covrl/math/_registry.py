@@ -4,13 +4,32 @@ options, read once from its signature when it is registered (never per call)."""
 from __future__ import annotations
 
 import inspect
+import types
 import typing
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, create_model
+from pydantic import BaseModel, BeforeValidator, ConfigDict, create_model
+
+
+def reject_bool(value: Any) -> Any:
+    """Before-validator of a numeric field: pydantic would read True as 1.0 (e.g. a YAML `clip_low: true` would
+    silently be a clip of 1), so a boolean is an error."""
+    if isinstance(value, bool):
+        raise ValueError(f"expected a number, got the boolean {value!r}")
+    return value
+
+
+def _is_numeric(annotation: Any) -> bool:
+    """Whether `annotation` admits int or float (alone or in a union, e.g. `float | None`) but not bool."""
+    if annotation in (int, float):
+        return True
+    if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+        args = typing.get_args(annotation)
+        return bool not in args and any(a in (int, float) for a in args)
+    return False
 
 
 @dataclass(frozen=True)
@@ -35,7 +54,8 @@ class Registered:
         params = list(inspect.signature(fn).parameters.values())[positional:]
         keyword = [p for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
         options = {p.name: p.replace(annotation=hints.get(p.name, Any)) for p in keyword if p.name not in supplied}
-        fields = {n: (p.annotation, ... if p.default is p.empty else p.default) for n, p in options.items()}
+        fields = {n: (Annotated[p.annotation, BeforeValidator(reject_bool)] if _is_numeric(p.annotation)
+                      else p.annotation, ... if p.default is p.empty else p.default) for n, p in options.items()}
         model = create_model(f"{name}_options", __config__=ConfigDict(extra="forbid", arbitrary_types_allowed=True),
                              **fields)
         return cls(name=name, fn=fn, inputs=frozenset(p.name for p in keyword if p.name in supplied),
@@ -51,6 +71,13 @@ class Registered:
 
     def unknown_options(self, keys) -> list[str]:
         return [k for k in keys if k not in self.options]
+
+    def check_no_bool(self, values: Mapping[str, Any]) -> None:
+        """TypeError naming the option when a numeric option is given a boolean (the direct-call path, which
+        does not run `validate_options`)."""
+        for k, v in values.items():
+            if isinstance(v, bool) and k in self.options and _is_numeric(self.options[k].annotation):
+                raise TypeError(f"{self.name} option {k} expects a number, got the boolean {v!r}")
 
     def validate_options(self, values: Mapping[str, Any]) -> dict[str, Any]:
         """The given options, type-checked and coerced by `options_model` (pydantic ValidationError if one is

@@ -334,4 +334,5 @@ def compute_advantages(name: str, *, rewards: torch.Tensor, mask: torch.Tensor, 
                         f"{sorted(ADVANTAGE_INPUTS | set(spec.options))}")
     supplied = {k: v for k, v in inputs.items() if k in ADVANTAGE_INPUTS}
     options = {k: v for k, v in inputs.items() if k not in ADVANTAGE_INPUTS}
+    spec.check_no_bool(options)
     return spec.compute(rewards=rewards, mask=mask, group_ids=group_ids, options=options, **supplied)

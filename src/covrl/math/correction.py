@@ -86,8 +86,11 @@ REJECTION_CRITERIA: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tenso
 }
 
 
-def _parse_threshold(v):
-    """verl writes bands as strings "lo_hi" (e.g. "0.999_1.001"); accept them and plain numeric strings."""
+def _parse_threshold(v, field: str = "threshold"):
+    """verl writes bands as strings "lo_hi" (e.g. "0.999_1.001"); accept them and plain numeric strings. A
+    boolean is refused: pydantic would read `is_threshold: true` as 1.0, which caps every IS weight at 1."""
+    if isinstance(v, bool) or (isinstance(v, (list, tuple)) and any(isinstance(x, bool) for x in v)):
+        raise ValueError(f"{field} must be a number or a (lo, hi) band, not a boolean; got {v!r}")
     if isinstance(v, str):
         parts = v.split("_")
         try:
@@ -125,12 +128,15 @@ class CorrectionConfig(BaseModel):
     @field_validator("is_threshold", mode="before")
     @classmethod
     def _parse_is_threshold(cls, v):
-        return _parse_threshold(v)
+        return _parse_threshold(v, "is_threshold")
 
     @field_validator("rs_threshold", mode="before")
     @classmethod
     def _parse_rs_threshold(cls, v):
-        return [_parse_threshold(t) for t in v] if isinstance(v, (list, tuple)) else v
+        if isinstance(v, bool):
+            raise ValueError(f"rs_threshold must be a list of thresholds, not a boolean; got {v!r}")
+        return [_parse_threshold(t, f"rs_threshold[{i}]") for i, t in enumerate(v)] if isinstance(v, (list, tuple)) \
+            else v
 
     @field_validator("is_threshold")
     @classmethod

@@ -3,8 +3,8 @@
 Every loss function in POLICY_LOSSES has the signature
     fn(*, logprobs, sampler_logprobs, advantages, mask, is_weights, **options) -> token_loss [B, T]
 and `policy_loss(name, ...)` aggregates it and adds shared metrics. The pairing rule of RESEARCH §6:
-ppo_clip takes its ratio against `sampler_logprobs` and needs no extra IS weights; covariance / reinforce use
-detached IS weights that multiply −A·log p. The rule is declared where a loss is registered
+ppo_clip, gspo, gspo_token, gmpo, cispo and sapo take their ratio against `sampler_logprobs` and need no extra IS
+weights; covariance / reinforce use detached IS weights that multiply −A·log p. The rule is declared where a loss is registered
 (`LossSpec.ratio_vs_sampler`, read by `LossSpec.takes_is_weights`), with its user options read once from the
 signature (see `covrl.math._registry.Registered`).
 """
@@ -151,6 +151,106 @@ def ppo_clip_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=No
     return loss * _weights(is_weights, loss)
 
 
+# Sequence-level and gated losses (GSPO, GMPO, CISPO, SAPO). Each takes its ratio against `sampler_logprobs`
+# (the sampler, or the old/proximal policy), so by the pairing rule they get no extra IS weights.
+
+def _row_mean(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """mean over the valid tokens of each row, [B]; 0 for an all-masked row."""
+    return masked_mean(x, mask, dim=1)
+
+
+def _check_clip(name: str, clip_low: float | None, clip_high: float, *, low_below_one: bool = True) -> None:
+    if clip_low is not None and not (0 <= clip_low < 1 if low_below_one else clip_low >= 0):
+        bound = "0 <= clip_low < 1" if low_below_one else "clip_low >= 0"
+        raise ValueError(f"{name} needs {bound}; got clip_low={clip_low!r}")
+    if not clip_high >= 0:
+        raise ValueError(f"{name} needs clip_high >= 0; got clip_high={clip_high!r}")
+
+
+def gspo_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None, clip_low: float = 3e-4,
+              clip_high: float = 4e-4) -> torch.Tensor:
+    """GSPO (Zheng et al. 2025), sequence level: one clipped ratio per response.
+
+    s_b = exp(mean_t lr_bt) = (p(y_b)/q(y_b))^{1/|y_b|}, lr = clamp(log p − log q, ±20); A_b = mean_t A_bt (the
+    sequence advantage; = A for outcome advantages). ℓ_b = max(−A_b s_b, −A_b clip(s_b, 1 − clip_low,
+    1 + clip_high)), broadcast over the row's valid tokens, so `seq-mean-token-mean` aggregation gives GSPO's
+    mean_b ℓ_b (verl forces that mode for GSPO). ∇s_b = s_b·mean_t ∇log p_bt. Defaults: the paper's (3e-4, 4e-4).
+    `is_weights` (normally None by the pairing rule) multiply ℓ.
+    """
+    _check_clip("gspo", clip_low, clip_high)
+    lr = clamped_log_ratio(logprobs, sampler_logprobs.detach())
+    seq_ratio = torch.exp(_row_mean(lr, mask))
+    adv = _row_mean(advantages.detach().float(), mask)
+    loss = torch.maximum(-adv * seq_ratio, -adv * seq_ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
+    return loss[:, None].expand_as(lr) * _weights(is_weights, lr)
+
+
+def gspo_token_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None, clip_low: float = 3e-4,
+                    clip_high: float = 4e-4) -> torch.Tensor:
+    """GSPO-token (Zheng et al. 2025): the sequence ratio's value with a per-token gradient, for token advantages.
+
+    s_bt = sg(s_b) · p(y_bt)/sg(p(y_bt)) (value s_b = exp(mean_t lr_bt), gradient s_b·∇log p_bt);
+    ℓ_bt = max(−A_bt s_bt, −A_bt clip(s_bt, 1 − clip_low, 1 + clip_high)). With A constant over a row and
+    `seq-mean-token-mean` aggregation it equals `gspo` in value and gradient (tested).
+    """
+    _check_clip("gspo_token", clip_low, clip_high)
+    lp = logprobs.float()
+    seq_log_ratio = _row_mean(clamped_log_ratio(lp.detach(), sampler_logprobs.detach()), mask)
+    ratio = torch.exp(seq_log_ratio[:, None] + lp - lp.detach())
+    adv = advantages.detach().float()
+    loss = torch.maximum(-adv * ratio, -adv * ratio.clamp(1.0 - clip_low, 1.0 + clip_high))
+    return loss * _weights(is_weights, loss)
+
+
+def gmpo_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None, clip_low: float = 0.4,
+              clip_high: float = 0.4) -> torch.Tensor:
+    """GMPO (Zhao et al. 2025): the geometric mean of the token ratios, clipped token-wise in log space.
+
+    A_b = mean_t A_bt, σ = sign(A_b); per token l_t = σ·min(σ·lr_t, σ·clamp(lr_t, −clip_low, clip_high)) (PPO's
+    pessimistic min, taken on log-ratios); R_b = exp(mean_t l_t) = (Π_t ρ̃_t)^{1/|y_b|}; ℓ_b = −A_b·R_b, broadcast
+    over the row (aggregate with `seq-mean-token-mean` for mean_b ℓ_b). The bounds are on log ρ: the defaults
+    (0.4, 0.4) are the paper's ratio range (e^−0.4, e^0.4). `is_weights` (normally None) multiply ℓ.
+    """
+    _check_clip("gmpo", clip_low, clip_high, low_below_one=False)
+    lr = clamped_log_ratio(logprobs, sampler_logprobs.detach())
+    adv = _row_mean(advantages.detach().float(), mask)
+    sign = torch.sign(adv)[:, None]
+    clipped = sign * torch.minimum(sign * lr, sign * lr.clamp(-clip_low, clip_high))
+    loss = -adv * torch.exp(_row_mean(clipped, mask))
+    return loss[:, None].expand_as(lr) * _weights(is_weights, lr)
+
+
+def cispo_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None, clip_low: float | None = None,
+               clip_high: float = 0.28) -> torch.Tensor:
+    """CISPO (MiniMax-M1, 2025): REINFORCE with a clipped, stop-gradient IS weight; no token loses its gradient.
+
+    ℓ_t = −A_t · sg(clip(ρ_t, 1 − clip_low, 1 + clip_high)) · log p(y_t), ρ against `sampler_logprobs`.
+    clip_low=None: no lower bound (the paper sets ε_low large and tunes only ε_high). Unlike `ppo_clip` a token
+    with ρ > 1 + clip_high keeps the gradient −(1 + clip_high)·A·∇log p. `is_weights` (normally None) multiply ℓ.
+    """
+    _check_clip("cispo", clip_low, clip_high, low_below_one=False)
+    ratio = torch.exp(clamped_log_ratio(logprobs.detach(), sampler_logprobs.detach()))
+    w = ratio.clamp(min=None if clip_low is None else 1.0 - clip_low, max=1.0 + clip_high)
+    return -advantages.detach().float() * w * logprobs.float() * _weights(is_weights, ratio)
+
+
+def sapo_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None, tau_pos: float = 1.0,
+              tau_neg: float = 1.05) -> torch.Tensor:
+    """SAPO (Gao et al. 2025, arXiv 2511.20347): a smooth sigmoid gate in place of the hard clip.
+
+    f_τ(ρ) = (4/τ)·σ(τ(ρ − 1)), τ = tau_pos where A_t > 0 else tau_neg; ℓ_t = −A_t·f_τ(ρ_t), ρ against the sampler.
+    Gradient −A·4σ(1−σ)·ρ·∇log p: exactly −A·∇log p at ρ = 1, decaying smoothly as ρ leaves 1 (faster for larger
+    τ). The paper aggregates with `seq-mean-token-mean`. Defaults (1.0, 1.05) as verl's. `is_weights` multiply ℓ.
+    """
+    if not (tau_pos > 0 and tau_neg > 0):
+        raise ValueError(f"sapo needs tau_pos > 0 and tau_neg > 0; got {tau_pos!r}, {tau_neg!r}")
+    ratio = torch.exp(clamped_log_ratio(logprobs, sampler_logprobs.detach()))
+    adv = advantages.detach().float()
+    tau = torch.where(adv > 0, torch.full_like(adv, float(tau_pos)), torch.full_like(adv, float(tau_neg)))
+    gate = torch.sigmoid(tau * (ratio - 1.0)) * (4.0 / tau)
+    return -adv * gate * _weights(is_weights, ratio)
+
+
 # Inputs a caller supplies to every loss; every other keyword parameter of a loss is a user option.
 LOSS_INPUTS = frozenset({"logprobs", "sampler_logprobs", "advantages", "mask", "is_weights"})
 
@@ -159,13 +259,17 @@ LOSS_INPUTS = frozenset({"logprobs", "sampler_logprobs", "advantages", "mask", "
 class LossSpec(Registered):
     """A registered loss: `fn(*, logprobs, sampler_logprobs, advantages, mask, is_weights, **options) -> token_loss`
     (see `Registered`). `ratio_vs_sampler`: the loss takes its ratio against the sampler's log-probs, so by the
-    pairing rule (RESEARCH §6) it gets no extra IS weights (they would correct twice)."""
+    pairing rule (RESEARCH §6) it gets no extra IS weights (they would correct twice). `token_clip`: its
+    clip_low / clip_high options bound the token ratio ρ_t at 1 ∓ clip (ppo_clip, cispo), so the clip-fraction
+    metrics use them; every other loss reports what PPO's defaults would clip."""
 
     ratio_vs_sampler: bool = False
+    token_clip: bool = False
 
     @classmethod
-    def of(cls, name: str, fn: Callable[..., torch.Tensor], *, ratio_vs_sampler: bool = False) -> LossSpec:
-        return cls.build(name, fn, LOSS_INPUTS, ratio_vs_sampler=ratio_vs_sampler)
+    def of(cls, name: str, fn: Callable[..., torch.Tensor], *, ratio_vs_sampler: bool = False,
+           token_clip: bool = False) -> LossSpec:
+        return cls.build(name, fn, LOSS_INPUTS, ratio_vs_sampler=ratio_vs_sampler, token_clip=token_clip)
 
     @property
     def takes_is_weights(self) -> bool:
@@ -187,7 +291,7 @@ class LossSpec(Registered):
                              mask=maskf, is_weights=is_weights, **options)
         token_loss = torch.where(maskf > 0, token_loss * maskf, torch.zeros_like(token_loss))
         loss = aggregate(token_loss, maskf, agg_mode, norm_constant=norm_constant)
-        metrics = _ratio_metrics(logprobs, sampler_logprobs, advantages, maskf, options)
+        metrics = _ratio_metrics(logprobs, sampler_logprobs, advantages, maskf, options if self.token_clip else {})
         metrics["loss/value"] = item(loss.detach())
         return LossOutput(loss=loss, token_loss=token_loss, metrics=metrics)
 
@@ -195,7 +299,12 @@ class LossSpec(Registered):
 LOSS_SPECS: dict[str, LossSpec] = {spec.name: spec for spec in (
     LossSpec.of("covariance", covariance_loss),
     LossSpec.of("reinforce", reinforce_loss),
-    LossSpec.of("ppo_clip", ppo_clip_loss, ratio_vs_sampler=True),
+    LossSpec.of("ppo_clip", ppo_clip_loss, ratio_vs_sampler=True, token_clip=True),
+    LossSpec.of("gspo", gspo_loss, ratio_vs_sampler=True),
+    LossSpec.of("gspo_token", gspo_token_loss, ratio_vs_sampler=True),
+    LossSpec.of("gmpo", gmpo_loss, ratio_vs_sampler=True),
+    LossSpec.of("cispo", cispo_loss, ratio_vs_sampler=True, token_clip=True),
+    LossSpec.of("sapo", sapo_loss, ratio_vs_sampler=True),
 )}
 POLICY_LOSSES: dict[str, Callable[..., torch.Tensor]] = {n: spec.fn for n, spec in LOSS_SPECS.items()}
 
@@ -214,7 +323,8 @@ def _ratio_metrics(logprobs, sampler_logprobs, advantages, mask, options) -> dic
             "loss/log_ratio_clamped_frac": item(masked_mean((log_r.abs() >= LOG_RATIO_CLAMP).float(), mask)),
         }
         clip_low, clip_high = options.get("clip_low", 0.2), options.get("clip_high", 0.28)
-        low = (adv < 0) & (ratio < 1.0 - clip_low)
+        # cispo's clip_low=None: no lower bound, nothing clipped below
+        low = (adv < 0) & (ratio < 1.0 - clip_low) if clip_low is not None else torch.zeros_like(adv, dtype=torch.bool)
         high = (adv > 0) & (ratio > 1.0 + clip_high)
         m["loss/clip_frac_low"] = item(masked_mean(low.float(), mask))
         m["loss/clip_frac_high"] = item(masked_mean(high.float(), mask))
@@ -228,12 +338,14 @@ def _ratio_metrics(logprobs, sampler_logprobs, advantages, mask, options) -> dic
 def policy_loss(name: str, *, logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, is_weights: torch.Tensor | None = None, agg_mode: str = "token-mean",
                 **options) -> LossOutput:
-    """Policy loss `name` (covariance | reinforce | ppo_clip), aggregated with `agg_mode` (see `aggregate`).
+    """Policy loss `name` (covariance | reinforce | ppo_clip | gspo | gspo_token | gmpo | cispo | sapo), aggregated with `agg_mode` (see `aggregate`).
 
     logprobs [B, T] trainer log-probs (carry the gradient); sampler_logprobs [B, T] log-probs of the same tokens
     under the sampler (or the old/proximal policy); advantages [B, T] (detached inside); mask [B, T]; is_weights
     [B, T] detached IS weights from rollout_correction or None. options: per loss (ppo_clip: clip_low=0.2,
-    clip_high=0.28, dual_clip=3.0|None; reinforce: is_cap=2.0|None) and `norm_constant` for aggregation.
+    clip_high=0.28, dual_clip=3.0|None; reinforce: is_cap=2.0|None; gspo / gspo_token: clip_low=3e-4,
+    clip_high=4e-4; gmpo: clip_low=clip_high=0.4 (log space); cispo: clip_low=None, clip_high=0.28; sapo: tau_pos=1.0,
+    tau_neg=1.05) and `norm_constant` for aggregation.
     Metrics (for every loss): loss/ratio_mean|max|min (vs sampler), loss/approx_kl (k3), loss/approx_kl_k1,
     loss/clip_frac, loss/clip_frac_low, loss/clip_frac_high, loss/dual_clip_frac (what PPO clipping would hit,
     with its defaults when the loss is not ppo_clip), loss/log_ratio_clamped_frac, loss/value.
@@ -244,6 +356,9 @@ def policy_loss(name: str, *, logprobs: torch.Tensor, sampler_logprobs: torch.Te
     if unknown:
         raise TypeError(f"policy loss {name!r} got unknown options {unknown}; accepted: "
                         f"{list(spec.options) + ['norm_constant']}")
+    spec.check_no_bool(options)
+    if isinstance(norm_constant, bool):
+        raise TypeError(f"policy loss option norm_constant expects a number, got the boolean {norm_constant!r}")
     return spec.compute(logprobs=logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages, mask=mask,
                         is_weights=is_weights, agg_mode=agg_mode, norm_constant=norm_constant, options=options)
 

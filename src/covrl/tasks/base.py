@@ -30,8 +30,9 @@ class RewardOutput:
 
     rewards  the optimised reward per completion (0.0 where the reward function failed)
     correct  the task's grader verdict per completion (what accuracy means)
-    errors   completions whose reward function raised or timed out
-    metrics  reward/mean, reward/accuracy, reward/errors, reward/timeouts, reward/empty
+    errors   completions whose reward function raised or timed out (summed over the terms of `task.rewards`)
+    metrics  reward/mean, reward/accuracy, reward/errors, reward/timeouts, reward/empty (and with `task.rewards`
+             reward/reward/<name>, reward/errors/<name> per term; the trainer logs them as task/...)
     """
 
     rewards: list[float]

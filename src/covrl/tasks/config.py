@@ -34,6 +34,32 @@ class LettersConfig(Section):
         return self
 
 
+Signature = Literal["auto", "covrl", "trl"]
+
+
+class RewardTermConfig(Section):
+    """One weighted term of `task.rewards`: the run's reward is Σ weight·fn(...), each term logged."""
+
+    fn: str = Field(..., min_length=1, description="reward registry name, or a user reward 'module:function' / "
+                    "'file.py:function'")
+    weight: float = Field(1.0, description="weight of this term in the summed reward")
+    name: str | None = Field(None, min_length=1, description="name in the logs (task/reward/<name>); default: "
+                             "the registry name or the function's name")
+    signature: Signature = Field("auto", description="covrl: fn(completion, example) -> float; trl: "
+                                 "fn(completions, **columns) -> list[float]; auto: from the parameters")
+
+    @field_validator("weight", mode="before")
+    @classmethod
+    def _no_bool(cls, v):
+        if isinstance(v, bool):   # pydantic would read `weight: true` as 1.0
+            raise ValueError(f"weight must be a number, not a boolean; got {v!r}")
+        return v
+
+    @property
+    def log_name(self) -> str:
+        return self.name or self.fn.rpartition(":")[2]
+
+
 class TaskConfig(Section):
     """Which problems to pose and how to score them."""
 
@@ -49,7 +75,13 @@ class TaskConfig(Section):
     reward: str = Field("auto", description="reward registry name (last_number, exact_match, format, "
                         "last_number_format) or auto = the task's natural reward")
     reward_fn: str | None = Field(None, description="user reward 'module:function' or 'file.py:function'; "
-                                  "overrides `reward`; signature fn(completion: str, example) -> float")
+                                  "overrides `reward`; signature fn(completion: str, example) -> float, or "
+                                  "TRL's fn(completions, **columns) -> list[float]")
+    reward_signature: Signature = Field("auto", description="signature of reward_fn: covrl (per completion), trl "
+                                        "(per batch, TRL's), auto = detected from its parameters")
+    rewards: list[RewardTermConfig] = Field(default_factory=list, description="weighted reward terms "
+                                            "[{fn, weight, name, signature}, ...]: reward = sum of weight*fn; "
+                                            "overrides `reward`; each logged as task/reward/<name>")
     grader: str = Field("auto", description="reward registry name whose value >= 1 means correct "
                         "(accuracy); auto = the task's natural grader")
     n_train: int = Field(1000, ge=1, le=10_000_000, description="training examples (drawn from the train pool)")
@@ -69,6 +101,10 @@ class TaskConfig(Section):
         "or a spawned worker process (a hang or crash is killed)")
     reward_errors: Literal["zero", "raise"] = Field("zero", description="a failing user reward call: "
                                                     "reward 0 and counted (zero) or stop (raise)")
+    max_consecutive_reward_errors: int | None = Field(8, ge=1, le=1_000_000, description="with reward_errors="
+                                                      "zero: stop the run (exit 2, the function's traceback "
+                                                      "shown) after this many batches in a row on which a reward "
+                                                      "function failed for every completion; None = never stop")
 
     @field_validator("name")
     @classmethod
@@ -76,6 +112,15 @@ class TaskConfig(Section):
         if v not in TASKS:
             raise ValueError(f"task.name={v!r}; allowed: {sorted(TASKS)}")
         return v
+
+    @model_validator(mode="after")
+    def _one_reward_source(self):
+        if self.rewards and self.reward_fn:
+            raise ValueError("set either task.reward_fn or task.rewards (a list of weighted terms), not both")
+        names = [t.log_name for t in self.rewards]
+        if len(set(names)) != len(names):
+            raise ValueError(f"task.rewards: term names must be distinct (set `name`); got {names}")
+        return self
 
     @model_validator(mode="after")
     def _needs_path(self):

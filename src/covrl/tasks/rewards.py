@@ -1,7 +1,16 @@
 """Reward functions: a registry of built-ins, user functions named as `module:function` or
 `path/to/file.py:function`, and isolated execution (exceptions and hangs become reward 0, counted).
 
-Every reward function has one signature: `fn(completion: str, example: Example) -> float`.
+Two signatures (`task.reward_signature`, "auto" detects them from the function's parameters):
+- covrl's, per completion: `fn(completion: str, example: Example) -> float`;
+- TRL's, per batch: `fn(completions: list[str], **columns) -> list[float | None]`, called once per batch with
+  `prompts` and `completions` and every dataset field as a list (the answer under its field name, e.g.
+  `answer` / `solution`, and each other field of the row), as TRL's GRPOTrainer calls it. A function without
+  `**kwargs` gets only the names it declares. `None` in the result means "no reward for this row" (TRL's
+  convention): it counts 0. TRL's `completion_ids` and `trainer_state` are not passed.
+A function that fails on every completion of `task.max_consecutive_reward_errors` batches in a row stops the run
+with RewardFunctionError, showing its own exception and traceback (a reward that always raises would otherwise
+train at reward 0 to the end).
 
 Isolation of user functions (`task.reward_isolation`):
 - "thread" (default): each call runs on a daemon worker thread and the caller waits at most `timeout_s`.
@@ -21,12 +30,15 @@ from __future__ import annotations
 import hashlib
 import importlib
 import importlib.util
+import inspect
 import math
 import queue
 import re
 import threading
+import traceback
 from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 from covrl.tasks.base import Example
 
@@ -126,6 +138,52 @@ def resolve_reward(name: str) -> RewardFn:
     return REWARDS[name]
 
 
+def detect_signature(fn: Callable, spec: str) -> str:
+    """"trl" for `fn(completions, **columns)` (a parameter named `completions`), "covrl" for
+    `fn(completion, example)` (two positional parameters); anything else is an error naming `spec`."""
+    try:
+        params = list(inspect.signature(fn).parameters.values())
+    except (TypeError, ValueError):  # a builtin without a signature: covrl's by default
+        return "covrl"
+    if any(p.name == "completions" for p in params):
+        return "trl"
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if len(positional) >= 2 or any(p.kind == p.VAR_POSITIONAL for p in params):
+        return "covrl"
+    raise ValueError(f"reward {spec!r}: cannot tell its signature from {inspect.signature(fn)}; expected covrl's "
+                     "fn(completion, example) or TRL's fn(completions, **kwargs) (set task.reward_signature)")
+
+
+def trl_kwargs(fn: Callable, completions: list[str], examples: list[Example], answer_field: str) -> dict[str, Any]:
+    """The keyword arguments of a TRL-style call: prompts, completions and every dataset column as a list;
+    only the names `fn` declares when it has no **kwargs."""
+    columns: dict[str, list] = {"prompts": [ex.prompt for ex in examples], "completions": list(completions),
+                                answer_field: [ex.answer for ex in examples]}
+    keys = [k for ex in examples for k in ex.meta if k != "plain_prompt"]
+    for key in dict.fromkeys(keys):
+        if key not in columns:
+            columns[key] = [ex.meta.get(key) for ex in examples]
+    try:
+        params = inspect.signature(fn).parameters.values()
+    except (TypeError, ValueError):
+        return columns
+    if any(p.kind == p.VAR_KEYWORD for p in params):
+        return columns
+    names = {p.name for p in params}
+    return {k: v for k, v in columns.items() if k in names}
+
+
+def _format_error(err: BaseException) -> str:
+    """The exception with its traceback (the user function's frames), or the message of a timeout / a remote
+    error that carries its traceback as text."""
+    remote = getattr(err, "remote_traceback", None)
+    if remote:
+        return remote.rstrip()
+    if isinstance(err, TimeoutError) or err.__traceback__ is None:
+        return f"{type(err).__name__}: {err}"
+    return "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip()
+
+
 class _Box:
     __slots__ = ("done", "value", "error")
 
@@ -144,12 +202,19 @@ class _Worker:
 
     def _loop(self):
         while True:
-            fn, args, box = self.jobs.get()
+            fn, args, kwargs, box = self.jobs.get()
             try:
-                box.value = fn(*args)
+                box.value = fn(*args, **kwargs)
             except BaseException as err:  # noqa: BLE001 - isolate anything the user function throws
                 box.error = err
             box.done.set()
+
+
+def _plain(value):
+    """A picklable copy of a reward result: a float, or a list of floats / None (a batch call)."""
+    if isinstance(value, (list, tuple)):
+        return [None if v is None else float(v) for v in value]
+    return float(value)
 
 
 def _process_main(spec: str, conn) -> None:
@@ -157,22 +222,27 @@ def _process_main(spec: str, conn) -> None:
     try:
         fn = load_user_reward(spec)
     except BaseException as err:  # noqa: BLE001 - reported to the parent
-        conn.send(("error", f"{type(err).__name__}: {err}"))
+        conn.send(("error", (f"{type(err).__name__}: {err}", traceback.format_exc())))
         return
     conn.send(("ready", None))
     while True:
         try:
-            completion, example = conn.recv()
+            args, kwargs = conn.recv()
         except EOFError:
             return
         try:
-            conn.send(("ok", float(fn(completion, example))))
+            conn.send(("ok", _plain(fn(*args, **kwargs))))
         except BaseException as err:  # noqa: BLE001 - SystemExit etc. become an error reply
-            conn.send(("error", f"{type(err).__name__}: {err}"))
+            conn.send(("error", (f"{type(err).__name__}: {err}", traceback.format_exc())))
 
 
 class _RemoteError(RuntimeError):
-    """The user function raised inside the worker process (the process itself is fine)."""
+    """The user function raised inside the worker process (the process itself is fine); `remote_traceback`
+    is its traceback as formatted there."""
+
+    def __init__(self, message: str, remote_traceback: str | None = None):
+        super().__init__(message)
+        self.remote_traceback = remote_traceback
 
 
 class _ProcessWorker:
@@ -194,10 +264,10 @@ class _ProcessWorker:
         status, message = self.conn.recv()
         if status != "ready":
             self.kill()
-            raise RuntimeError(f"reward worker process could not load {spec!r}: {message}")
+            raise RuntimeError(f"reward worker process could not load {spec!r}: {message[0]}\n{message[1]}")
 
-    def call(self, completion: str, example: Example, timeout_s: float | None) -> float:
-        self.conn.send((completion, example))
+    def call(self, args: tuple, kwargs: dict, timeout_s: float | None):
+        self.conn.send((args, kwargs))
         if not self.conn.poll(timeout_s):
             raise TimeoutError(f"took longer than {timeout_s} s")
         try:
@@ -205,7 +275,7 @@ class _ProcessWorker:
         except EOFError as err:
             raise RuntimeError(f"reward worker process died (exit code {self.proc.exitcode})") from err
         if status != "ok":
-            raise _RemoteError(value)
+            raise _RemoteError(*value)
         return value
 
     def kill(self) -> None:
@@ -217,25 +287,35 @@ class _ProcessWorker:
 class RewardRunner:
     """Calls a reward function on a batch with exception isolation and an optional per-call timeout.
 
+    signature "covrl": one call per completion, fn(completion, example); "trl": one call per batch,
+    fn(completions=..., prompts=..., **columns) -> one value per completion (None counts 0).
     on_error "zero": a raising / hanging / non-finite call gets reward 0.0 and counts in `errors`;
-             "raise": the first failure raises RewardFunctionError naming the completion index."""
+             "raise": the first failure raises RewardFunctionError naming the completion index.
+    max_consecutive_errors N: with "zero", N batches in a row on which the function failed for every
+    completion raise RewardFunctionError with the function's last exception and traceback (None: never)."""
 
     def __init__(self, fn: RewardFn, *, name: str, timeout_s: float | None, on_error: str, isolate: bool,
-                 process_spec: str | None = None):
+                 process_spec: str | None = None, signature: str = "covrl", answer_field: str = "answer",
+                 max_consecutive_errors: int | None = None):
         if on_error not in ("zero", "raise"):
             raise ValueError(f"task.reward_errors={on_error!r}; allowed: 'zero', 'raise'")
+        if signature not in ("covrl", "trl"):
+            raise ValueError(f"reward signature {signature!r}; allowed: 'covrl', 'trl'")
         self.fn, self.name, self.on_error = fn, name, on_error
+        self.signature, self.answer_field = signature, answer_field
+        self.max_consecutive_errors = max_consecutive_errors
+        self.consecutive_failed_batches = 0
         self.timeout_s = timeout_s if (timeout_s and isolate) else None
         self._worker: _Worker | None = None
         # process isolation: the user function runs in a spawned process loaded from this spec
         self.process_spec = process_spec
         self._process: _ProcessWorker | None = None
 
-    def _call_process(self, completion: str, example: Example):
+    def _call_process(self, args: tuple, kwargs: dict):
         if self._process is None or not self._process.proc.is_alive():
             self._process = _ProcessWorker(self.process_spec)
         try:
-            return self._process.call(completion, example, self.timeout_s)
+            return self._process.call(args, kwargs, self.timeout_s)
         except _RemoteError:
             raise
         except Exception as err:  # stuck, dead or broken pipe: the next call starts a fresh process
@@ -251,18 +331,18 @@ class RewardRunner:
             self._process.kill()
             self._process = None
 
-    def _call(self, completion: str, example: Example):
+    def _call(self, *args, **kwargs):
         if self.process_spec is not None:
-            return self._call_process(completion, example)
+            return self._call_process(args, kwargs)
         if self.timeout_s is None:
             try:
-                return self.fn(completion, example)
+                return self.fn(*args, **kwargs)
             except (SystemExit, GeneratorExit) as err:  # sys.exit() inside a reward must not end the run
                 raise RuntimeError(f"raised {type(err).__name__}({err})") from err
         if self._worker is None:
             self._worker = _Worker()
         box = _Box()
-        self._worker.jobs.put((self.fn, (completion, example), box))
+        self._worker.jobs.put((self.fn, args, kwargs, box))
         if not box.done.wait(self.timeout_s):
             self._worker = None  # abandon the stuck thread; the next call gets a fresh worker
             raise TimeoutError(f"reward function {self.name} took longer than {self.timeout_s} s")
@@ -274,20 +354,72 @@ class RewardRunner:
 
     def __call__(self, completions: list[str], examples: list[Example]) -> tuple[list[float], int, int]:
         """(rewards, errors, timeouts)."""
+        if self.signature == "trl":
+            rewards, errors, timeouts, last = self._call_batch(completions, examples)
+        else:
+            rewards, errors, timeouts, last = self._call_rows(completions, examples)
+        if completions and errors == len(completions):
+            self.consecutive_failed_batches += 1
+            limit = self.max_consecutive_errors
+            if limit is not None and self.consecutive_failed_batches >= limit:
+                raise RewardFunctionError(
+                    f"reward function {self.name} failed on every completion of {self.consecutive_failed_batches} "
+                    f"batches in a row (task.max_consecutive_reward_errors={limit}); the run stops instead of "
+                    f"training at reward 0. Its last error:\n{_format_error(last)}") from last
+        else:
+            self.consecutive_failed_batches = 0
+        return rewards, errors, timeouts
+
+    def _failed(self, err: Exception, where: str, prompt: str) -> None:
+        if self.on_error == "raise":
+            raise RewardFunctionError(
+                f"reward function {self.name} failed on {where} (prompt {prompt[:80]!r}): "
+                f"{type(err).__name__}: {err}\n{_format_error(err)}") from err
+
+    def _call_rows(self, completions, examples):
         rewards: list[float] = []
         errors = timeouts = 0
+        last: Exception | None = None
         for i, (text, ex) in enumerate(zip(completions, examples)):
             try:
                 value = float(self._call(text, ex))
                 if not math.isfinite(value):
                     raise ValueError(f"returned a non-finite reward {value}")
             except Exception as err:  # noqa: BLE001
-                if self.on_error == "raise":
-                    raise RewardFunctionError(
-                        f"reward function {self.name} failed on completion {i} "
-                        f"(prompt {ex.prompt[:80]!r}): {type(err).__name__}: {err}") from err
+                self._failed(err, f"completion {i}", ex.prompt)
                 errors += 1
                 timeouts += isinstance(err, TimeoutError)
-                value = 0.0
+                last, value = err, 0.0
             rewards.append(value)
-        return rewards, errors, timeouts
+        return rewards, errors, timeouts, last
+
+    def _call_batch(self, completions, examples):
+        """One TRL-style call for the whole batch; a failed call fails every completion, a non-finite value
+        fails its own."""
+        n = len(completions)
+        if n == 0:
+            return [], 0, 0, None
+        try:
+            values = self._call(**trl_kwargs(self.fn, completions, examples, self.answer_field))
+            if isinstance(values, (str, bytes)) or not hasattr(values, "__len__") or len(values) != n:
+                size = len(values) if hasattr(values, "__len__") else type(values).__name__
+                raise ValueError(f"returned {size} values for {n} completions; a TRL-style reward returns a "
+                                 "list with one float (or None) per completion")
+            values = list(values)
+        except Exception as err:  # noqa: BLE001
+            self._failed(err, f"a batch of {n} completions", examples[0].prompt)
+            return [0.0] * n, n, n * isinstance(err, TimeoutError), err
+        rewards: list[float] = []
+        errors = 0
+        last: Exception | None = None
+        for i, v in enumerate(values):
+            try:
+                value = 0.0 if v is None else float(v)
+                if not math.isfinite(value):
+                    raise ValueError(f"returned a non-finite reward {value} for completion {i}")
+            except Exception as err:  # noqa: BLE001
+                self._failed(err, f"completion {i}", examples[i].prompt)
+                errors += 1
+                last, value = err, 0.0
+            rewards.append(value)
+        return rewards, errors, 0, last

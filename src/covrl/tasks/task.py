@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from covrl.tasks.base import Example, RewardOutput
 from covrl.tasks.config import TaskConfig
-from covrl.tasks.rewards import RewardRunner, load_user_reward, resolve_reward
+from covrl.tasks.rewards import REWARDS, RewardRunner, detect_signature, load_user_reward, resolve_reward
 
 
 class PromptTooLongError(ValueError):
@@ -29,25 +29,37 @@ class Task:
         self.eval = eval
         self.reward_name = cfg.reward_fn or (default_reward if cfg.reward == "auto" else cfg.reward)
         self.grader_name = default_grader if cfg.grader == "auto" else cfg.grader
-        if cfg.reward_fn:
-            fn, isolate = load_user_reward(cfg.reward_fn), True
+        if cfg.rewards:
+            # weighted terms, each logged; a bare registry name is a built-in, anything else a user function
+            self._terms = [(t.log_name, t.weight, self._runner(t.fn, t.log_name, t.signature, user=t.fn not in REWARDS))
+                           for t in cfg.rewards]
+            self.reward_name = " + ".join(f"{w:g}*{n}" for n, w, _ in self._terms)
         else:
-            fn, isolate = resolve_reward(self.reward_name), False
-        self._reward = RewardRunner(
-            fn, name=self.reward_name, timeout_s=cfg.reward_timeout_s, on_error=cfg.reward_errors,
-            isolate=isolate,
-            process_spec=cfg.reward_fn if (cfg.reward_fn and cfg.reward_isolation == "process") else None)
+            self._terms = [(self.reward_name, 1.0, self._runner(self.reward_name, self.reward_name,
+                                                                cfg.reward_signature, user=bool(cfg.reward_fn)))]
+        self._reward = self._terms[0][2]
         self._grader = resolve_reward(self.grader_name)
         self._cache: dict[tuple[int, str], list[int]] = {}
         self.num_truncated = 0
+
+    def _runner(self, spec: str, name: str, signature: str, *, user: bool) -> RewardRunner:
+        cfg = self.cfg
+        fn = load_user_reward(spec) if user else resolve_reward(spec)
+        if signature == "auto":
+            signature = detect_signature(fn, spec)
+        return RewardRunner(fn, name=name, timeout_s=cfg.reward_timeout_s, on_error=cfg.reward_errors, isolate=user,
+                            process_spec=spec if (user and cfg.reward_isolation == "process") else None,
+                            signature=signature, answer_field=cfg.answer_field,
+                            max_consecutive_errors=cfg.max_consecutive_reward_errors)
 
     def __repr__(self) -> str:
         return (f"Task({self.name!r}, train={len(self.train)}, eval={len(self.eval)}, "
                 f"reward={self.reward_name!r}, grader={self.grader_name!r})")
 
     def close(self) -> None:
-        """Release the reward worker process (reward_isolation="process"); the task stays usable."""
-        self._reward.close()
+        """Release the reward worker processes (reward_isolation="process"); the task stays usable."""
+        for _, _, runner in self._terms:
+            runner.close()
 
     def prompt_text(self, tokenizer, example: Example) -> str:
         """The text the model is conditioned on: the chat template around `example.prompt` (with the
@@ -90,18 +102,30 @@ class Task:
         return ids
 
     def score(self, completions: list[str], examples: list[Example]) -> RewardOutput:
-        """rewards_i = reward(completion_i, example_i) (0.0 on error/timeout, counted in `errors`);
-        correct_i = grader(completion_i, example_i) >= 1. Empty completions are scored like any text."""
+        """rewards_i = reward(completion_i, example_i) (0.0 on error/timeout, counted in `errors`), or
+        Σ_k weight_k·term_k with `task.rewards` (each term's mean in reward/reward/<name>, its failures in
+        reward/errors/<name>); correct_i = grader(completion_i, example_i) >= 1. Empty completions are scored
+        like any text."""
         if len(completions) != len(examples):
             raise ValueError(f"score: {len(completions)} completions but {len(examples)} examples")
-        rewards, errors, timeouts = self._reward(completions, examples)
-        correct = [self._grader(c, e) >= 1.0 for c, e in zip(completions, examples)]
         n = max(len(completions), 1)
+        rewards = [0.0] * len(completions)
+        errors = timeouts = 0
+        per_term: dict[str, float] = {}
+        for name, weight, runner in self._terms:
+            values, term_errors, term_timeouts = runner(completions, examples)
+            rewards = [r + weight * v for r, v in zip(rewards, values)]
+            errors, timeouts = errors + term_errors, timeouts + term_timeouts
+            if self.cfg.rewards:
+                per_term[f"reward/reward/{name}"] = sum(values) / n
+                per_term[f"reward/errors/{name}"] = float(term_errors)
+        correct = [self._grader(c, e) >= 1.0 for c, e in zip(completions, examples)]
         metrics = {
             "reward/mean": sum(rewards) / n,
             "reward/accuracy": sum(correct) / n,
             "reward/errors": float(errors),
             "reward/timeouts": float(timeouts),
             "reward/empty": float(sum(1 for c in completions if not c.strip())),
+            **per_term,
         }
         return RewardOutput(rewards=rewards, correct=correct, errors=errors, metrics=metrics)

@@ -63,7 +63,8 @@ class AlgorithmConfig(Section):
     advantage_options: dict[str, Any] = Field(default_factory=dict,
                                               description="extra keyword options of the estimator, e.g. "
                                                           "handle_zero_tail")
-    loss: str = Field("covariance", description="policy loss (covrl.math registry): covariance, reinforce, ppo_clip")
+    loss: str = Field("covariance", description="policy loss (covrl.math registry): covariance, reinforce, "
+                      "ppo_clip, gspo, gspo_token, gmpo, cispo, sapo")
     loss_options: dict[str, Any] = Field(default_factory=dict,
                                          description="extra keyword options of the loss, e.g. clip_low, clip_high, "
                                                      "dual_clip for ppo_clip")
