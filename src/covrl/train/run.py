@@ -358,6 +358,67 @@ def _build_sinks(cfg: TrainConfig, run_dir: Path, start_step: int, console: bool
     return sinks
 
 
+def _find_resume_point(run_dir: Path, model, resume: bool) -> tuple[Path | None, dict | None, dict | None, list]:
+    """The newest complete checkpoint that loads (path, state, weights) and the newer ones that did not (renamed
+    `corrupt-*`, never tried again); (None, None, None, []) for a fresh run or a folder with no checkpoint."""
+    if not resume:
+        return None, None, None, []
+    if not ckpt.list_checkpoints(run_dir):
+        print(f"warning: --resume: {run_dir}/checkpoints holds no complete checkpoint (killed before the first "
+              f"one?); starting the run from scratch in {run_dir}", file=sys.stderr)
+        return None, None, None, []
+    latest, loaded, skipped = ckpt.newest_loadable(run_dir, lambda p: _read_resume_point(p, model))
+    if latest is None:
+        raise ckpt.CheckpointError(f"--resume: no checkpoint in {run_dir}/checkpoints loads (nothing was "
+                                   "changed):\n" + "\n".join(f"  {p.name}: {why}" for p, why in skipped))
+    for p, why in skipped:   # out of the listing: never tried again, never kept by pruning over a good one
+        moved = ckpt.set_aside(p)
+        print(f"warning: --resume: skipped {p} ({why}); renamed it {moved.name}; resuming from the older "
+              f"{latest.name}", file=sys.stderr)
+    state, weights = loaded
+    return latest, state, weights, skipped
+
+
+def _claim_run_folder(cfg: TrainConfig, run_dir: Path, latest: Path | None, resume: bool) -> None:
+    """Write config.yaml and a "running" summary.json: from here on the folder is this attempt's (a setup that
+    fails later gets a final status). A fresh start drops outputs of an earlier attempt in the same folder."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    (run_dir / "config.yaml").write_text(dump_config(cfg))
+    _write_json(run_dir / "summary.json", {"status": "running", "phase": "setup", "name": run_dir.name,
+                                           "run_dir": str(run_dir),
+                                           "resumed_from": None if latest is None else str(latest)})
+    if latest is None:
+        for stale in ("metrics.jsonl", "eval.json"):
+            (run_dir / stale).unlink(missing_ok=True)
+        if resume:   # a fresh start in a used folder (nothing to resume): drop the killed attempt's other outputs
+            (run_dir / "curves.png").unlink(missing_ok=True)
+            for stale_dir in ("tensorboard", "checkpoints/initial"):
+                shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
+
+
+def _starting_weights(cfg: TrainConfig, run_dir: Path, model, tokenizer, task, device, weights: dict | None,
+                      console: bool) -> tuple[dict[str, float], Any]:
+    """The weights RL starts from and the frozen KL reference (or None): a fresh run runs the SFT warm-up and
+    saves checkpoints/initial/ when needed; a resumed run loads the checkpoint's weights and the reference from
+    checkpoints/initial/. Returns (SFT metrics, reference model)."""
+    initial_dir = run_dir / "checkpoints" / "initial"
+    if weights is None:
+        log = print if console and cfg.logging.console else None
+        sft_metrics = sft_warmup(model, tokenizer, task, cfg.sft_warmup, seed=cfg.run.seed,
+                                 micro_batch_size=cfg.optim.micro_batch_size * 4, log=log)
+        if cfg.run.save_initial or cfg.kl.coef > 0:
+            ckpt.save_checkpoint(run_dir, "initial", model=model, tokenizer=tokenizer, state={}, with_state=False)
+        return sft_metrics, (frozen_copy(model) if cfg.kl.coef > 0 else None)
+    ckpt.apply_model_weights(model, weights)
+    if cfg.kl.coef <= 0:
+        return {}, None
+    if not (initial_dir / ckpt.MODEL_DIR).is_dir():
+        raise FileNotFoundError(f"{initial_dir}: the KL reference weights are missing; cannot resume")
+    ref_model, _ = load_model(cfg.model, seed=cfg.run.seed)
+    ckpt.load_model_weights(ref_model, initial_dir / ckpt.MODEL_DIR)
+    return {}, frozen_copy(ref_model.to(device))
+
+
 def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resume: bool = False,
                 run_dir: Path | None = None, console: bool = True, build_sampler_fn=None) -> Run:
     """Build (or restore) everything a loop needs. Fresh run: seed, load the model, SFT warm-up (if any),
@@ -368,7 +429,6 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     unless it holds a completed run."""
     t_setup, cpu_setup = time.perf_counter(), time.process_time()
     run_dir = Path(run_dir) if run_dir is not None else choose_run_dir(cfg, config_path=config_path, resume=resume)
-    latest = None
     if resume:
         if not run_dir.is_dir():
             raise FileNotFoundError(f"--resume: run folder {run_dir} does not exist")
@@ -379,7 +439,6 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
         torch.set_num_threads(cfg.run.num_threads)
     seed_everything(cfg.run.seed)
     device = resolve_device(cfg.run.device)
-    needs_initial = cfg.run.save_initial or cfg.kl.coef > 0
 
     # data and model first: bad input fails before a run folder is created
     task = build_task(cfg.task)
@@ -389,52 +448,10 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     model.to(device)
     load_s = time.perf_counter() - t0
     generator = torch.Generator().manual_seed(cfg.run.seed)
-    state, weights, skipped = None, None, []
-    if resume and ckpt.list_checkpoints(run_dir):
-        latest, loaded, skipped = ckpt.newest_loadable(run_dir, lambda p: _read_resume_point(p, model))
-        if latest is None:
-            raise ckpt.CheckpointError(f"--resume: no checkpoint in {run_dir}/checkpoints loads (nothing was "
-                                       "changed):\n" + "\n".join(f"  {p.name}: {why}" for p, why in skipped))
-        state, weights = loaded
-        for p, why in skipped:   # out of the listing: never tried again, never kept by pruning over a good one
-            moved = ckpt.set_aside(p)
-            print(f"warning: --resume: skipped {p} ({why}); renamed it {moved.name}; resuming from the older "
-                  f"{latest.name}", file=sys.stderr)
-    elif resume:
-        print(f"warning: --resume: {run_dir}/checkpoints holds no complete checkpoint (killed before the first "
-              f"one?); starting the run from scratch in {run_dir}", file=sys.stderr)
-    run_dir.mkdir(parents=True, exist_ok=True)
-    (run_dir / "config.yaml").write_text(dump_config(cfg))
-    # from here on the folder is this attempt's: say so (a setup that fails from here gets a final status)
-    _write_json(run_dir / "summary.json", {"status": "running", "phase": "setup", "name": run_dir.name,
-                                           "run_dir": str(run_dir),
-                                           "resumed_from": None if latest is None else str(latest)})
-
-    sft_metrics: dict[str, float] = {}
-    initial_dir = run_dir / "checkpoints" / "initial"
-    if latest is None:
-        for stale in ("metrics.jsonl", "eval.json"):
-            (run_dir / stale).unlink(missing_ok=True)
-        if resume:   # a fresh start in a used folder (nothing to resume): drop the killed attempt's other outputs
-            (run_dir / "curves.png").unlink(missing_ok=True)
-            for stale_dir in ("tensorboard", "checkpoints/initial"):
-                shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
-        sinks_msg = print if console and cfg.logging.console else None
-        sft_metrics = sft_warmup(model, tokenizer, task, cfg.sft_warmup, seed=cfg.run.seed,
-                                 micro_batch_size=cfg.optim.micro_batch_size * 4, log=sinks_msg)
-        if needs_initial:
-            ckpt.save_checkpoint(run_dir, "initial", model=model, tokenizer=tokenizer, state={}, with_state=False)
-        ref_model = frozen_copy(model) if cfg.kl.coef > 0 else None
-    else:
-        ckpt.apply_model_weights(model, weights)
-        del weights
-        ref_model = None
-        if cfg.kl.coef > 0:
-            if not (initial_dir / ckpt.MODEL_DIR).is_dir():
-                raise FileNotFoundError(f"{initial_dir}: the KL reference weights are missing; cannot resume")
-            ref_model, _ = load_model(cfg.model, seed=cfg.run.seed)
-            ckpt.load_model_weights(ref_model, initial_dir / ckpt.MODEL_DIR)
-            ref_model = frozen_copy(ref_model.to(device))
+    latest, state, weights, skipped = _find_resume_point(run_dir, model, resume)
+    _claim_run_folder(cfg, run_dir, latest, resume)
+    sft_metrics, ref_model = _starting_weights(cfg, run_dir, model, tokenizer, task, device, weights, console)
+    del weights
 
     trainer = Trainer(model, cfg, ref_model=ref_model)
     sampler = (build_sampler_fn or build_sampler)(cfg.sampler, model, tokenizer)
