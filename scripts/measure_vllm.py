@@ -41,6 +41,8 @@ def main():
     ap.add_argument("--sizes", default="1,8,32")
     ap.add_argument("--reps", type=int, default=2)
     ap.add_argument("--new-tokens", type=int, default=24)
+    ap.add_argument("--floor-prompts", type=int, default=8)
+    ap.add_argument("--bf16", action="store_true", help="also start a bf16 engine (5-10x slower on a CPU)")
     ap.add_argument("--out", default="runs/engines.json")
     args = ap.parse_args()
     cfg = load_config("configs/default.yaml", [f"sampler.max_new_tokens={args.new_tokens}"])
@@ -63,7 +65,7 @@ def main():
                               "tokens_per_s": b.num_response_tokens / b.timing.generate_s})
                 print(speed[-1], flush=True)
     out["speed"] = speed
-    batch = vl.generate(prompts[:8], 8, generator=torch.Generator().manual_seed(11))
+    batch = vl.generate(prompts[: args.floor_prompts], 8, generator=torch.Generator().manual_seed(11))
     out["floor_fp32_engine"] = floor(model, batch, cfg.sampler.temperature)
     print(out["floor_fp32_engine"], flush=True)
     syncs = []
@@ -72,8 +74,11 @@ def main():
         syncs.append(vl.last_sync_s)
     out["sync_s"] = syncs
     print("sync", syncs, flush=True)
+    if not args.bf16:
+        json.dump(out, open(args.out, "w"), indent=2)
+        return
     bf = build_sampler(cfg.sampler.model_copy(update={"backend": "vllm", "dtype": "bfloat16"}), model, tok)
-    b16 = bf.generate(prompts[:8], 8, generator=torch.Generator().manual_seed(11))
+    b16 = bf.generate(prompts[: args.floor_prompts], 8, generator=torch.Generator().manual_seed(11))
     out["floor_bf16_engine"] = floor(model, b16, cfg.sampler.temperature)
     out["bf16_tokens_per_s"] = b16.num_response_tokens / b16.timing.generate_s
     print(out["floor_bf16_engine"], out["bf16_tokens_per_s"], flush=True)
