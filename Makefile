@@ -1,11 +1,15 @@
 # The two entry points of the README. Each creates/updates .venv itself.
-.PHONY: setup demo train test test-slow lint
+.PHONY: setup setup-vllm demo train test test-slow lint
 setup:
 	bash scripts/setup_env.sh
+# .venv-vllm: the CPU build of vLLM for the vLLM sampler tests (COVRL_SKIP_VLLM=1 skips it and them)
+setup-vllm:
+	bash scripts/setup_vllm_env.sh
 demo train: setup
 	.venv/bin/covrl train --config configs/default.yaml
-test: setup
+test: setup setup-vllm
 	.venv/bin/python -m pytest
+	if [ "$${COVRL_SKIP_VLLM:-0}" != "1" ]; then .venv-vllm/bin/python -m pytest tests/rollout/test_vllm.py; fi
 test-slow: setup
 	.venv/bin/python -m pytest -m slow
 # ruff, then the import contracts of pyproject.toml ([tool.importlinter]: layers, no cycles)

@@ -22,6 +22,7 @@ from covrl.config import (
 )
 from covrl.explore.config import BanditConfig
 from covrl.math import CorrectionConfig
+from covrl.rollout.vllm import vllm_available
 from covrl.settings import SECTION_POLICY, Section
 
 CONFIGS = Path(__file__).resolve().parents[1] / "configs"
@@ -159,9 +160,10 @@ def test_inf_is_a_setting_only_where_it_means_something():
         load_config(None, ["sampler.max_new_tokens=.inf"])
 
 
-def test_vllm_backend_fails_at_start_up_with_the_allowed_backends():
-    with pytest.raises(ConfigError, match=r"override 'sampler.backend=vllm': sampler.backend: unknown sampler "
-                                          r"backend 'vllm'; allowed: hf \(vLLM support is not available yet"):
+@pytest.mark.skipif(vllm_available(), reason="vllm is installed here")
+def test_vllm_backend_without_the_extra_fails_at_config_load_naming_it():
+    with pytest.raises(ConfigError, match=r"override 'sampler.backend=vllm': sampler.backend: sampler.backend=vllm "
+                                          r"needs vLLM: pip install 'covrl\[vllm\]'"):
         load_config(None, ["sampler.backend=vllm"])
 
 

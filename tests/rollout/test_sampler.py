@@ -5,6 +5,7 @@ import math
 import pytest
 import torch
 
+from covrl._lazy import MissingExtraError
 from covrl.models import ModelConfig, load_model
 from covrl.rollout import (
     SamplerConfig,
@@ -13,6 +14,7 @@ from covrl.rollout import (
     filtered_logprobs,
     sample_from_logprobs,
 )
+from covrl.rollout.vllm import vllm_available
 
 torch.set_num_threads(1)
 
@@ -195,10 +197,11 @@ def test_bad_inputs_and_backends(tiny):
     model, tok = tiny
     with pytest.raises(ValueError, match="backend"):
         build_sampler(SamplerConfig(backend="nope"), model, tok)
-    with pytest.raises(ValueError, match=r"allowed: hf \(vLLM support is not available yet"):
-        build_sampler(SamplerConfig(backend="vllm"), model, tok)
-    with pytest.raises(ValueError, match=r"sampler.backend: unknown sampler backend 'vllm'; allowed: hf \(vLLM"):
-        build_sampler(SamplerConfig.model_construct(backend="vllm"), model, tok)
+    if not vllm_available():   # without the extra: refused at config validation and at build time
+        with pytest.raises(ValueError, match=r"sampler.backend=vllm needs vLLM: pip install 'covrl\[vllm\]'"):
+            SamplerConfig(backend="vllm")
+        with pytest.raises(MissingExtraError, match=r"pip install 'covrl\[vllm\]'"):
+            build_sampler(SamplerConfig.model_construct(backend="vllm"), model, tok)
     sampler = build_sampler(SamplerConfig(), model, tok)
     with pytest.raises(ValueError, match="prompt 1 is empty"):
         sampler.generate([[1, 2], []], 1, generator=torch.Generator())

