@@ -74,13 +74,14 @@ def _full_state(trainer: Trainer) -> dict:
     return trainer.model.state_dict()
 
 
-def spawn_worker(rank: int, world: int, port: int, out_dir: str, parallel: str, names: list[str]) -> None:
+def spawn_worker(rank: int, world: int, port: int, out_dir: str, modes: list[str], names: list[str]) -> None:
     os.environ.update({"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": str(rank),
                        "WORLD_SIZE": str(world), "OMP_NUM_THREADS": "1"})
     torch.set_num_threads(1)
     dist.init_process_group("gloo", rank=rank, world_size=world)
     try:
-        results = {name: run_case(name, parallel) for name in names}
-        torch.save(results, os.path.join(out_dir, f"{parallel}-rank{rank}.pt"))
+        for parallel in modes:
+            results = {name: run_case(name, parallel) for name in names}
+            torch.save(results, os.path.join(out_dir, f"{parallel}-rank{rank}.pt"))
     finally:
         dist.destroy_process_group()
