@@ -22,7 +22,7 @@ from pydantic import Field, field_validator
 
 from covrl.settings import Section
 
-__all__ = ["Channel", "Parallel", "TrainerConfig", "init_process_group", "shard_rows"]
+__all__ = ["Channel", "Parallel", "TrainerConfig", "full_model_state", "init_process_group", "shard_rows"]
 
 
 class TrainerConfig(Section):
@@ -130,6 +130,14 @@ class Parallel:
 
     def max_count(self, n: int) -> int:
         return int(self.all_reduce(torch.tensor([n], dtype=torch.long), dist.ReduceOp.MAX)[0])
+
+
+def full_model_state(model) -> dict[str, torch.Tensor]:
+    """The whole model's weights from a fully_shard-ed model, on rank 0's CPU (a collective: every rank calls it;
+    the other ranks get an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
 class Channel:

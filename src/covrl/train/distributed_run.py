@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 
 from covrl.models import load_model
-from covrl.train.distributed import Channel, init_process_group
+from covrl.train.distributed import Channel, full_model_state, init_process_group
 from covrl.train.run import resolve_device, seed_everything
 from covrl.train.runner import run_training
 from covrl.train.trainer import Trainer, TrainingDivergedError
@@ -30,6 +30,12 @@ __all__ = ["follow", "train_distributed"]
 
 def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bool = False) -> int:
     """The exit code of this rank (rank 0: run_training's table; followers: rank 0's code, sent at stop)."""
+    fsdp2 = cfg.trainer.parallel == "fsdp2"
+    if fsdp2 and (cfg.loop.mode != "sync" or cfg.checkpoint.at_end or cfg.checkpoint.every_rollouts):
+        raise ValueError("trainer.parallel=fsdp2 runs loop.mode=sync without checkpoints for now (set "
+                         "checkpoint.at_end=false; docs/distributed.md); trainer.parallel=ddp has both")
+    if fsdp2:   # the sampler cannot run the sharded model: it keeps its own copy, fed by a gather
+        cfg.sampler.share_weights = "never"
     rank, world = init_process_group(cfg.trainer, cfg.run.device)
     channel = Channel()
     try:
@@ -41,6 +47,8 @@ def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bo
             run = prepare_fn(cfg, **kwargs)
             channel.send(("start", run.trainer.state_dict()))   # a resumed optimizer / data clock too
             run.trainer.leader = channel
+            if fsdp2:
+                run.sampler = _GatheringSampler(run.sampler, run.trainer, channel)
             return run
 
         try:
@@ -67,6 +75,8 @@ def follow(cfg, channel: Channel) -> int:
             model.to(resolve_device(cfg.run.device))
             trainer = Trainer(model, cfg)
             trainer.load_state_dict(payload)
+        elif kind == "gather":
+            full_model_state(trainer.model)
         elif kind == "step":
             try:
                 trainer.step(payload)
@@ -74,3 +84,23 @@ def follow(cfg, channel: Channel) -> int:
                 pass
         else:
             raise RuntimeError(f"follower: unknown message {kind!r} from rank 0")
+
+
+class _GatheringSampler:
+    """Rank 0's sampler under fsdp2: `load_weights` gathers the full weights from the shards (the followers
+    join the collective on a "gather" message); everything else is the sampler's."""
+
+    def __init__(self, sampler, trainer: Trainer, channel: Channel):
+        self.__dict__.update(_sampler=sampler, _trainer=trainer, _channel=channel)
+
+    def __getattr__(self, name):
+        return getattr(self._sampler, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._sampler, name, value)
+
+    def load_weights(self, model, version: int) -> None:
+        if self._trainer.parallel is None:   # before the first step the model is not sharded yet
+            return self._sampler.load_weights(model, version)
+        self._channel.send(("gather", None))
+        self._sampler.load_weights(full_model_state(self._trainer.model), version)
