@@ -210,6 +210,9 @@ class TrainConfig(Section):
         if self.loop.mode != "sync":
             self.async_loop.check_against(prompts_per_step=self.loop.prompts_per_step,
                                           group_size=self.loop.group_size, sync_every=self.sampler.sync_every)
+        if self.trainer.parallel != "none" and (self.loop.mode == "ray" or self.kl.coef > 0):
+            raise ValueError(f"trainer.parallel={self.trainer.parallel} runs loop.mode=sync/async without a KL "
+                             "reference for now (docs/distributed.md)")
         if self.batch_scaling.scale_lr and self.batch_scaling.base_batch_rollouts is None:
             raise ValueError("batch_scaling.scale_lr=true needs batch_scaling.base_batch_rollouts (the rollouts "
                              "per step at which optim.lr was tuned)")
