@@ -21,10 +21,12 @@ from covrl.settings import ConfigError, Section, build_section, load_section
 from covrl.tasks import TaskConfig
 from covrl.train.async_config import AsyncLoopConfig
 from covrl.train.batch_scaling import BatchScalingConfig
+from covrl.train.distributed import TrainerConfig
 from covrl.train.lr_surge import LengthSurgeConfig
 
 __all__ = ["AlgorithmConfig", "CheckpointConfig", "ConfigError", "EvalConfig", "KLConfig", "LoggingConfig",
-           "LoopConfig", "OptimConfig", "RunConfig", "SFTWarmupConfig", "TrainConfig", "build_config", "load_config"]
+           "LoopConfig", "OptimConfig", "RunConfig", "SFTWarmupConfig", "TrainConfig", "TrainerConfig", "build_config",
+           "load_config"]
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
 
@@ -176,7 +178,7 @@ class LoggingConfig(Section):
 
 class TrainConfig(Section):
     """A whole training run. Sections: run, model, task, sampler, algorithm, correction, kl, optim, lr_surge,
-    loop, eval, checkpoint, sft_warmup, logging."""
+    loop, eval, checkpoint, sft_warmup, logging, async_loop, batch_scaling, trainer."""
 
     run: RunConfig = Field(default_factory=RunConfig, description="name, seed, device, output folder")
     model: ModelConfig = Field(default_factory=ModelConfig, description="which model to train")
@@ -198,6 +200,8 @@ class TrainConfig(Section):
                                         description="queue, staleness bound and backends of the async loops")
     batch_scaling: BatchScalingConfig = Field(default_factory=BatchScalingConfig,
                                               description="scale optim.lr with the rollouts per step")
+    trainer: TrainerConfig = Field(default_factory=TrainerConfig,
+                                   description="data-parallel / sharded trainer on torch.distributed")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
@@ -207,6 +211,9 @@ class TrainConfig(Section):
         if self.loop.mode != "sync":
             self.async_loop.check_against(prompts_per_step=self.loop.prompts_per_step,
                                           group_size=self.loop.group_size, sync_every=self.sampler.sync_every)
+        if self.trainer.parallel != "none" and (self.loop.mode == "ray" or self.kl.coef > 0):
+            raise ValueError(f"trainer.parallel={self.trainer.parallel} runs loop.mode=sync/async without a KL "
+                             "reference for now (docs/distributed.md)")
         if self.batch_scaling.scale_lr and self.batch_scaling.base_batch_rollouts is None:
             raise ValueError("batch_scaling.scale_lr=true needs batch_scaling.base_batch_rollouts (the rollouts "
                              "per step at which optim.lr was tuned)")

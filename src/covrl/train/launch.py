@@ -4,6 +4,9 @@
     sync       prepare_run                train_sync   (SyncSource)
     async      prepare_async_run          train_async  (AsyncSource over the thread / process / serial pool)
     ray        train_from_config_ray: join or start Ray, then the same trainer side in an actor or here
+
+trainer.parallel = ddp / fsdp2 (sync and async modes, under torchrun): covrl.train.distributed_run, rank 0 runs
+the row above as the leader and the other ranks follow it (docs/distributed.md).
 """
 
 from __future__ import annotations
@@ -11,6 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from covrl.train.async_loop import prepare_async_run, train_async
+from covrl.train.distributed_run import train_distributed
 from covrl.train.loop import train_sync
 from covrl.train.ray_backend import train_from_config_ray
 from covrl.train.run import prepare_run
@@ -35,4 +39,6 @@ def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
         if cfg.loop.mode not in LOOP_MODES:
             raise ValueError(f"loop.mode={cfg.loop.mode!r}; allowed: {', '.join([*LOOP_MODES, 'ray'])}")
         prepare_fn, train_fn = LOOP_MODES[cfg.loop.mode]
+        if cfg.trainer.parallel != "none":
+            return train_distributed(cfg, prepare_fn, train_fn, config_path=config_path, resume=resume)
         return run_training(cfg, prepare_fn, train_fn, config_path=config_path, resume=resume)

@@ -24,16 +24,24 @@ on the full batch only where those pieces would not reproduce the full-batch val
 `_batch_diagnostics`).
 
 The trainer does not know whether it runs in a sync or async loop: it only reads the batch.
+
+With `trainer.parallel` = ddp / fsdp2 every rank calls `step` with the same full batch and runs only its shard
+of whole groups (`covrl.train.distributed.shard_rows`); each micro-batch's loss is its share of the FULL
+batch's aggregate (times the world size, which DDP's / FSDP2's gradient averaging divides out), so the
+normaliser is global whatever the split; the detached per-token pieces are summed over ranks, so metrics are
+the full batch's; clipping sees the reduced (global) gradient. docs/distributed.md.
 """
 
 from __future__ import annotations
 
+import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from covrl.diagnostics.noise import LOSS_UNITS, GradientNoiseMonitor
 from covrl.diagnostics.tangent import tangent_remainder
@@ -44,6 +52,7 @@ from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.algorithm import Algorithm, bind_algorithm
 from covrl.train.batch_scaling import scaled_lr
 from covrl.train.config import TrainConfig
+from covrl.train.distributed import Parallel, shard_rows
 from covrl.train.faults import fault_point
 from covrl.train.lr_surge import LengthSurgeSchedule
 from covrl.train.results import StepResult
@@ -146,6 +155,12 @@ class Trainer:
                                            weight_decay=o.weight_decay, **_fused_if_supported(self.params))
         self.surge = LengthSurgeSchedule(cfg.lr_surge, rollouts_per_step=cfg.loop.rollouts_per_step)
         self.noise = GradientNoiseMonitor() if cfg.logging.noise_scale else None
+        self.parallel: Parallel | None = None   # wrapped at the first step (a collective: all ranks step)
+        self.leader = None    # rank 0 of a run: a Channel that sends each batch to the other ranks
+        if cfg.trainer.parallel != "none":
+            if ref_model is not None or cfg.kl.coef > 0:
+                raise ValueError("trainer.parallel with a KL reference (kl.coef > 0) is not supported yet")
+            self.noise = None    # the micro-batch noise split is not computed from per-rank gradients yet
         self.temperature = float(cfg.sampler.temperature)
         self.rollouts = 0
         self.version = 0
@@ -181,6 +196,10 @@ class Trainer:
         if not isinstance(batch, ScoredBatch):
             raise ValueError("Trainer.step needs a ScoredBatch (batch.rewards is None): score the rollouts "
                              "(task.score) before Trainer.step")
+        if self.leader is not None:
+            self.leader.send(("step", batch))
+        if self.cfg.trainer.parallel != "none" and self.parallel is None:
+            self._distribute()
         metrics = self._step(batch)
         return StepResult(metrics, skip_reason=self.last_skip_reason, version=self.version, rollouts=self.rollouts)
 
@@ -212,10 +231,14 @@ class Trainer:
                 metrics["kl_ref/reward_penalty"] = float(penalty.mean())
 
         alg = self.algorithm
-        plan, aligned = self._plan(batch)
+        par = self.parallel
+        own = None if par is None else shard_rows(batch.group_ids, par.world, par.rank)
+        plan, aligned = self._plan(batch, own)
+        if par is not None:   # every rank runs as many micro-batches (the last one reduces the gradients)
+            plan = plan + [None] * (par.max_count(len(plan)) - len(plan))
         prepass = None
         if not aligned or alg.needs_batch_statistics:
-            prepass = self._prepass(batch, rewards)
+            prepass = self._prepass(batch, rewards, own)
 
         need_topk = alg.score_centering
         if need_topk and (batch.sampler_topk_ids is None or batch.sampler_topk_logprobs is None):
@@ -233,44 +256,63 @@ class Trainer:
         loss_total = 0.0
         loss_metrics: dict[str, float] = {}
         micro = _MicroNorms(self.params, alg.agg_mode) if self.noise is not None else None
+        fmodel = self.model if par is None else par.module
+        share_prompts = self.cfg.optim.share_prompts and (par is None or par.mode != "fsdp2")  # fsdp2: 1 fwd each
+        bad: str | None = None
         t_fb = time.perf_counter()
-        for index in plan:
-            idx = torch.as_tensor(index, dtype=torch.long, device=device)
+        for k, index in enumerate(plan):
+            # idle: a rank with fewer micro-batches than the others backwards a zero loss on row 0, so that
+            # DDP / FSDP2 see the same sequence of (synced) backward passes on every rank
+            idle = index is None
+            idx = torch.as_tensor([0] if idle else index, dtype=torch.long, device=device)
             mb = _trim(batch.select(idx))
-            fwd = forward_response(self.model, mb, self.temperature, share_prompts=self.cfg.optim.share_prompts,
-                                   topk_ids=mb.sampler_topk_ids if need_topk else None)
-            t = mb.response_ids.shape[1]
-            full_lp[idx] = _pad_cols(fwd.logprobs.detach(), width)
-            full_ent[idx] = _pad_cols(fwd.entropy, width)
-            full_sps[idx] = _pad_cols(fwd.sum_pi_sq, width)
-            mb_rewards = rewards[idx] if rewards.dim() == 1 else rewards[idx][:, :t]
-            if prepass is None:
-                prep = self._prepare(mb, fwd, mb_rewards)
-                pieces.advantages[idx] = _pad_cols(prep.advantages, width)
-                pieces.keep[idx] = _pad_cols(prep.keep, width)
-                if prep.weights is not None:
-                    pieces.weights[idx] = _pad_cols(prep.weights, width)
-            else:
-                prep = prepass.prepared.rows(idx, t)
-            mb_ref = None if ref_lp is None else ref_lp[idx][:, :t]
-            loss, mb_metrics = self._micro_loss(mb, fwd, prep, mb_ref, idx, mask)
-            if not torch.isfinite(loss):
-                self.optimizer.zero_grad(set_to_none=True)
-                return self._skip(metrics, f"non-finite loss ({float(loss.detach())}) in a micro-batch of {len(index)} rows",
-                                  t_start)
-            if micro is not None:
-                micro.before_backward()
-            loss.backward()
+            with contextlib.nullcontext() if par is None else par.gradient_sync(k == len(plan) - 1):
+                fwd = forward_response(fmodel, mb, self.temperature, share_prompts=share_prompts,
+                                       topk_ids=mb.sampler_topk_ids if need_topk else None)
+                t = mb.response_ids.shape[1]
+                mb_rewards = rewards[idx] if rewards.dim() == 1 else rewards[idx][:, :t]
+                if prepass is None:
+                    prep = self._prepare(mb, fwd, mb_rewards)
+                    if not idle:
+                        pieces.advantages[idx] = _pad_cols(prep.advantages, width)
+                        pieces.keep[idx] = _pad_cols(prep.keep, width)
+                        if prep.weights is not None:
+                            pieces.weights[idx] = _pad_cols(prep.weights, width)
+                else:
+                    prep = prepass.prepared.rows(idx, t)
+                if not idle:
+                    full_lp[idx] = _pad_cols(fwd.logprobs.detach(), width)
+                    full_ent[idx] = _pad_cols(fwd.entropy, width)
+                    full_sps[idx] = _pad_cols(fwd.sum_pi_sq, width)
+                mb_ref = None if ref_lp is None else ref_lp[idx][:, :t]
+                loss, mb_metrics = self._micro_loss(mb, fwd, prep, mb_ref, idx, mask)
+                if idle:
+                    loss = loss * 0.0
+                elif not torch.isfinite(loss):
+                    reason = f"non-finite loss ({float(loss.detach())}) in a micro-batch of {len(index)} rows"
+                    if par is None:
+                        self.optimizer.zero_grad(set_to_none=True)
+                        return self._skip(metrics, reason, t_start)
+                    bad = bad or reason   # the other ranks wait in this step's collectives: skip together
+                if micro is not None:
+                    micro.before_backward()
+                # world size x: DDP / FSDP2 average the ranks' gradients, the loss shares must add up
+                (loss if par is None else loss * par.world).backward()
             if micro is not None:
                 micro.after_backward(mb.response_mask)
             fault_point("backward")  # reliability tests: COVRL_FAULT (no-op otherwise)
-            loss_total += float(loss.detach())
-            share = float(mb.response_mask.sum()) / float(mask.sum())
-            for k, v in mb_metrics.items():
-                loss_metrics[k] = loss_metrics.get(k, 0.0) + share * v
+            loss_total += 0.0 if idle else float(loss.detach())
+            share = 0.0 if idle else float(mb.response_mask.sum()) / float(mask.sum())   # idle: keys, no weight
+            _accumulate(loss_metrics, mb_metrics, share, idle or share == 0.0)   # no tokens: no extremes
+        if par is not None:
+            loss_total, bad, loss_metrics = self._reduce_pieces(par, [full_lp, full_ent, full_sps], pieces,
+                                                                loss_total, bad, loss_metrics)
+            if bad is not None:
+                self.optimizer.zero_grad(set_to_none=True)
+                return self._skip(metrics, bad, t_start)
         t_opt = time.perf_counter()
         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm))
+        grad_norm = _clip_grad_norm(self.params, max_norm)
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return self._skip(metrics, f"non-finite gradient norm ({grad_norm})", t_start)
@@ -315,19 +357,56 @@ class Trainer:
                 metrics)
         return metrics
 
-    def _plan(self, batch: RolloutBatch) -> tuple[list[list[int]], bool]:
+    def _distribute(self) -> None:
+        """Wrap the model for trainer.parallel (every rank at its first step; rank 0's weights win)."""
+        self.parallel = Parallel.wrap(self.model, self.cfg.trainer.parallel)
+        if self.parallel.mode == "fsdp2":   # fully_shard replaced the parameters (DTensor shards)
+            if self.optimizer.state:
+                raise NotImplementedError("trainer.parallel=fsdp2 cannot resume optimizer state yet")
+            o = self.cfg.optim
+            self.params = [p for p in self.model.parameters() if p.requires_grad]
+            self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
+                                               weight_decay=o.weight_decay)
+
+    @staticmethod
+    def _reduce_pieces(par: Parallel, tensors: list[torch.Tensor], pieces: _Prepared | None, loss_total: float,
+                       bad: str | None, loss_metrics: dict[str, float]):
+        """Sum over ranks (in place) the per-row pieces that each rank filled for its rows only (zeros
+        elsewhere, so the sum is exact), the loss and its share-weighted metrics, and whether any rank met a
+        non-finite loss."""
+        if pieces is not None:
+            tensors = tensors + [pieces.advantages, pieces.keep] + ([] if pieces.weights is None else [pieces.weights])
+        stacked = par.all_reduce(torch.stack(tensors))
+        for t, total in zip(tensors, stacked):
+            t.copy_(total)
+        keys = sorted(k for k in loss_metrics if not k.endswith(("_max", "_min")))   # the same on every rank:
+        extreme = sorted(k for k in loss_metrics if k.endswith(("_max", "_min")))   # idle ranks compute them too
+        sums = par.all_reduce(torch.tensor([loss_total, float(bad is not None)] + [loss_metrics[k] for k in keys],
+                                           dtype=torch.float64))
+        sign = [1.0 if k.endswith("_max") else -1.0 for k in extreme]   # a min is minus the max of minus
+        maxes = par.all_reduce(torch.tensor([s * loss_metrics[k] for s, k in zip(sign, extreme)] or [0.0],
+                                            dtype=torch.float64), dist.ReduceOp.MAX)
+        if sums[1] > 0 and bad is None:
+            bad = "non-finite loss in a micro-batch of another rank"
+        out = dict(zip(keys, sums[2:].tolist()))
+        out.update({k: s * float(v) for s, k, v in zip(sign, extreme, maxes)})
+        return float(sums[0]), bad, out
+
+    def _plan(self, batch: RolloutBatch, own: list[int] | None = None) -> tuple[list[list[int]], bool]:
         """Micro-batches of at most `optim.micro_batch_size` rows made of whole groups (aligned=True), or
-        plain chunks when a group is larger than a micro-batch (aligned=False)."""
+        plain chunks when a group is larger than a micro-batch (aligned=False); of the rows `own` (a rank's
+        shard of whole groups) when given."""
         size = self.cfg.optim.micro_batch_size
         groups: dict[int, list[int]] = {}
         for row, gid in enumerate(batch.group_ids.tolist()):
             groups.setdefault(int(gid), []).append(row)
-        if any(len(g) > size for g in groups.values()):
-            rows = len(batch)
-            return [list(range(s, min(s + size, rows))) for s in range(0, rows, size)], False
+        rows = list(range(len(batch))) if own is None else own
+        if any(len(g) > size for g in groups.values()):   # the full batch's groups: every rank takes one path
+            return [rows[s:s + size] for s in range(0, len(rows), size)], False
+        mine = set(rows)
         plan: list[list[int]] = []
         current: list[int] = []
-        for g in groups.values():
+        for g in (g for g in groups.values() if g[0] in mine):
             if current and len(current) + len(g) > size:
                 plan.append(current)
                 current = []
@@ -351,21 +430,32 @@ class Trainer:
         return _Prepared(adv.advantages, weights, corr.keep)
 
     @torch.no_grad()
-    def _prepass(self, batch: RolloutBatch, rewards: torch.Tensor) -> _Prepass:
+    def _prepass(self, batch: RolloutBatch, rewards: torch.Tensor, own: list[int] | None = None) -> _Prepass:
         """No-grad forward over the whole batch for batch-level statistics (groups split over micro-batches or
-        batch-normalised IS weights)."""
+        batch-normalised IS weights). Distributed: each rank forwards its rows `own`, the log-probs and Σπ² are
+        summed over ranks, and every rank computes the statistics on the full batch."""
         alg = self.algorithm
+        par = self.parallel
         rows, width = batch.response_ids.shape
         device = batch.response_ids.device
         lp = torch.zeros((rows, width), dtype=torch.float32, device=device)
         sps = torch.zeros_like(lp)
         size = self.cfg.optim.micro_batch_size
-        for s in range(0, rows, size):
-            idx = torch.arange(s, min(s + size, rows), device=device)
+        mine = list(range(rows)) if own is None else own
+        chunks: list[list[int] | None] = [mine[s:s + size] for s in range(0, len(mine), size)]
+        if par is not None and par.mode == "fsdp2":   # every forward of a sharded model is a collective
+            chunks += [None] * (par.max_count(len(chunks)) - len(chunks))
+        share_prompts = self.cfg.optim.share_prompts and (par is None or par.mode != "fsdp2")
+        for chunk in chunks:
+            idx = torch.as_tensor([0] if chunk is None else chunk, dtype=torch.long, device=device)
             mb = _trim(batch.select(idx))
-            fwd = forward_response(self.model, mb, self.temperature, share_prompts=self.cfg.optim.share_prompts)
-            lp[idx] = _pad_cols(fwd.logprobs.float(), width)
-            sps[idx] = _pad_cols(fwd.sum_pi_sq, width)
+            fwd = forward_response(self.model, mb, self.temperature, share_prompts=share_prompts)
+            if chunk is not None:
+                lp[idx] = _pad_cols(fwd.logprobs.float(), width)
+                sps[idx] = _pad_cols(fwd.sum_pi_sq, width)
+        if par is not None:
+            both = par.all_reduce(torch.stack([lp, sps]))
+            lp, sps = both[0], both[1]
         mask = batch.response_mask.float()
         corr = alg.correct(lp, batch.sampler_logprobs.float(), mask)
         weights = alg.is_weights(corr)
@@ -505,6 +595,33 @@ def batch_metrics(batch: ScoredBatch) -> dict[str, float]:
         gbest = torch.zeros(n_groups, device=c.device).scatter_reduce(0, inverse, c, "amax")
         m["pass@n"] = float(gbest.mean())
     return m
+
+
+_LOSS_PARTS = ("loss/policy", "loss/score_centering", "loss/kl")
+
+
+def _accumulate(total: dict[str, float], mb_metrics: dict[str, float], share: float, idle: bool) -> None:
+    """Fold a micro-batch's loss metrics into the step's: the loss parts (already this micro-batch's share of
+    the full-batch loss) add up, *_max / *_min take the extreme, the other means weigh by the token share. An
+    idle micro-batch adds its keys only."""
+    for key, v in mb_metrics.items():
+        if key.endswith("_max"):
+            total[key] = max(total.get(key, -math.inf), -math.inf if idle else v)
+        elif key.endswith("_min"):
+            total[key] = min(total.get(key, math.inf), math.inf if idle else v)
+        else:
+            total[key] = total.get(key, 0.0) + (0.0 if idle else v if key in _LOSS_PARTS else share * v)
+
+
+def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
+    """Clip to the global gradient norm and return it; sharded (DTensor) gradients reduce their norm over
+    the ranks that hold them."""
+    grads = [p.grad for p in params if p.grad is not None]
+    norm = torch.nn.utils.get_total_norm(grads)
+    if hasattr(norm, "full_tensor"):   # a DTensor: the shards' partial norms
+        norm = norm.full_tensor()
+    torch.nn.utils.clip_grads_with_norm_(params, max_norm, norm)
+    return float(norm)
 
 
 def _fused_if_supported(params) -> dict[str, bool]:

@@ -1,0 +1,154 @@
+"""Data-parallel and sharded training on torch.distributed: the trainer's `trainer` config section, the process
+group from the torchrun environment, whole-group shards of a batch, the model wrappers (DDP, FSDP2) and the
+leader → follower channel.
+
+The contract (docs/distributed.md): every rank calls `Trainer.step` with the SAME full ScoredBatch (in a run,
+rank 0 generates it and broadcasts it over `Channel`); each rank forwards and backwards only its shard of whole
+groups, while the normaliser, the group statistics and the metrics are those of the full batch.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import datetime
+import os
+import socket
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.distributed as dist
+from pydantic import Field, field_validator
+
+from covrl.settings import Section
+
+__all__ = ["Channel", "Parallel", "TrainerConfig", "full_model_state", "init_process_group", "shard_rows"]
+
+
+class TrainerConfig(Section):
+    parallel: Literal["none", "ddp", "fsdp2"] = Field(
+        "none", description="data-parallel trainer over torch.distributed (launch with torchrun): none (one "
+                            "process), ddp (DistributedDataParallel), fsdp2 (fully_shard); docs/distributed.md")
+    backend: Literal["auto", "gloo", "nccl"] = Field("auto", description="process-group backend (auto: nccl on "
+                                                                         "cuda, gloo on cpu)")
+    timeout_s: float = Field(1800.0, gt=0, description="collective timeout: a rank waits this long for the "
+                                                       "others (rank 0's eval and checkpoints included)")
+
+    @field_validator("parallel", mode="before")
+    @classmethod
+    def _none_is_a_name(cls, v):
+        return "none" if v is None else v   # YAML reads `parallel: none` as null
+
+
+def init_process_group(cfg: TrainerConfig, device: str = "cpu") -> tuple[int, int]:
+    """Join (or create) the default process group: torchrun's env (RANK, WORLD_SIZE, MASTER_ADDR/PORT) when
+    set, else a group of one on a free loopback port. Returns (rank, world size)."""
+    if not dist.is_initialized():
+        backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
+        timeout = datetime.timedelta(seconds=cfg.timeout_s)
+        if "WORLD_SIZE" in os.environ:
+            if backend == "nccl":
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            dist.init_process_group(backend, timeout=timeout)
+        else:
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+                                    timeout=timeout)
+    return dist.get_rank(), dist.get_world_size()
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def shard_rows(group_ids: torch.Tensor, world: int, rank: int) -> list[int]:
+    """The rows of `rank`'s shard: whole groups (every group statistic is then computed on one rank, no
+    all-reduce), contiguous in order of first appearance, balanced by rows (a group goes to the rank whose
+    share of the rows holds its midpoint). A rank may get none (fewer groups than ranks)."""
+    groups: dict[int, list[int]] = {}
+    for row, gid in enumerate(group_ids.tolist()):
+        groups.setdefault(int(gid), []).append(row)
+    total = len(group_ids)
+    out: list[int] = []
+    before = 0
+    for rows in groups.values():
+        if min(world - 1, (world * (2 * before + len(rows))) // (2 * total)) == rank:
+            out += rows
+        before += len(rows)
+    return out
+
+
+@dataclass
+class Parallel:
+    """The trainer's view of the group: rank, world size, mode and the module that runs forward (the DDP
+    wrapper, or the fully_shard-ed model itself)."""
+
+    mode: str
+    rank: int
+    world: int
+    module: Any
+
+    @classmethod
+    def wrap(cls, model, mode: str) -> Parallel:
+        """Wrap `model` (a collective: every rank calls it; rank 0's weights are broadcast to the others)."""
+        if not dist.is_initialized():
+            raise RuntimeError(f"trainer.parallel={mode} needs a torch.distributed process group: launch with "
+                               "`torchrun --nproc-per-node N -m covrl train ...` (docs/distributed.md)")
+        device = next(model.parameters()).device
+        if mode == "ddp":
+            # forward_sync_buffers=False: no collective per forward, so ranks may run different numbers of forwards
+            # (a shared-prompt micro-batch runs two); the buffers (rotary tables) are constants
+            module = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[device.index] if device.type == "cuda" else None, forward_sync_buffers=False)
+        elif mode == "fsdp2":
+            from torch.distributed.fsdp import fully_shard
+
+            for p in model.parameters():   # fully_shard does not broadcast: start every rank from rank 0's weights
+                dist.broadcast(p.data, src=0)
+            layers = getattr(getattr(model, "model", None), "layers", None)
+            for layer in layers if layers is not None else []:
+                fully_shard(layer)
+            module = fully_shard(model)
+        else:
+            raise ValueError(f"trainer.parallel={mode!r}; allowed: none, ddp, fsdp2")
+        return cls(mode, dist.get_rank(), dist.get_world_size(), module)
+
+    @contextlib.contextmanager
+    def gradient_sync(self, sync: bool):
+        """Accumulate locally (no communication) unless `sync`: the last micro-batch reduces the sum."""
+        if self.mode == "ddp":
+            with contextlib.nullcontext() if sync else self.module.no_sync():
+                yield
+        else:
+            self.module.set_requires_gradient_sync(sync)
+            yield
+
+    def all_reduce(self, x: torch.Tensor, op=dist.ReduceOp.SUM) -> torch.Tensor:
+        dist.all_reduce(x, op=op)
+        return x
+
+    def max_count(self, n: int) -> int:
+        return int(self.all_reduce(torch.tensor([n], dtype=torch.long), dist.ReduceOp.MAX)[0])
+
+
+def full_model_state(model) -> dict[str, torch.Tensor]:
+    """The whole model's weights from a fully_shard-ed model, on rank 0's CPU (a collective: every rank calls it;
+    the other ranks get an empty dict)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+
+class Channel:
+    """Rank 0 → every other rank: pickled commands over the default group (broadcast_object_list). In a run
+    the leader sends ("start", trainer state), then ("step", batch) per step, and ("stop", exit code)."""
+
+    def send(self, message: Any) -> None:
+        if dist.get_world_size() > 1:
+            dist.broadcast_object_list([message], src=0)
+
+    def recv(self) -> Any:
+        box = [None]
+        dist.broadcast_object_list(box, src=0)
+        return box[0]

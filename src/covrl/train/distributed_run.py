@@ -1,0 +1,106 @@
+"""`covrl train` with `trainer.parallel` = ddp / fsdp2 under torchrun: rank 0 is the leader, the others follow.
+
+    rank 0 (leader)                                   rank k > 0 (follower)
+    run_training as in one process: run folder,       build the model (no warm-up: the first step's wrap
+    sampler, eval, logging, checkpoints               broadcasts rank 0's weights), then obey the channel:
+    after prepare: send ("start", trainer state)      ("start", state) -> Trainer(model, cfg), load state
+    Trainer.step: send ("step", batch), then step     ("step", batch)  -> Trainer.step(batch)
+    at exit: send ("stop", exit code)                 ("stop", code)   -> return
+
+Why rank 0 generates and broadcasts the whole ScoredBatch rather than every rank generating the same batch:
+only rank 0 needs a sampler (one engine, one set of weights to publish), the batch is token ids (small next to
+the step), and every rank holding the full batch makes the global normaliser and the full-batch metrics local
+arithmetic (each rank knows the full mask) with no all-reduce of normalisers. The sync and async sources stay
+as they are: they run on rank 0 only.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from covrl.models import load_model
+from covrl.train.distributed import Channel, full_model_state, init_process_group
+from covrl.train.run import resolve_device, seed_everything
+from covrl.train.runner import run_training
+from covrl.train.trainer import Trainer, TrainingDivergedError
+
+__all__ = ["follow", "train_distributed"]
+
+
+def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bool = False) -> int:
+    """The exit code of this rank (rank 0: run_training's table; followers: rank 0's code, sent at stop)."""
+    fsdp2 = cfg.trainer.parallel == "fsdp2"
+    if fsdp2 and (cfg.loop.mode != "sync" or cfg.checkpoint.at_end or cfg.checkpoint.every_rollouts):
+        raise ValueError("trainer.parallel=fsdp2 runs loop.mode=sync without checkpoints for now (set "
+                         "checkpoint.at_end=false; docs/distributed.md); trainer.parallel=ddp has both")
+    if fsdp2:   # the sampler cannot run the sharded model: it keeps its own copy, fed by a gather
+        cfg.sampler.share_weights = "never"
+    rank, world = init_process_group(cfg.trainer, cfg.run.device)
+    channel = Channel()
+    try:
+        if rank != 0:
+            return follow(cfg, channel)
+        code = 1   # an exception escaping run_training (a traceback) still stops the followers
+
+        def prepare(cfg, **kwargs):
+            run = prepare_fn(cfg, **kwargs)
+            channel.send(("start", run.trainer.state_dict()))   # a resumed optimizer / data clock too
+            run.trainer.leader = channel
+            if fsdp2:
+                run.sampler = _GatheringSampler(run.sampler, run.trainer, channel)
+            return run
+
+        try:
+            code = run_training(cfg, prepare, train_fn, config_path=config_path, resume=resume)
+        finally:
+            channel.send(("stop", code))
+        return code
+    finally:
+        dist.destroy_process_group()
+
+
+def follow(cfg, channel: Channel) -> int:
+    """A follower rank: a trainer on its own copy of the model, stepping on the batches rank 0 sends."""
+    if cfg.run.num_threads:
+        torch.set_num_threads(cfg.run.num_threads)
+    seed_everything(cfg.run.seed)
+    trainer = None
+    while True:
+        kind, payload = channel.recv()
+        if kind == "stop":
+            return int(payload)
+        if kind == "start":
+            model, _ = load_model(cfg.model, seed=cfg.run.seed)
+            model.to(resolve_device(cfg.run.device))
+            trainer = Trainer(model, cfg)
+            trainer.load_state_dict(payload)
+        elif kind == "gather":
+            full_model_state(trainer.model)
+        elif kind == "step":
+            try:
+                trainer.step(payload)
+            except TrainingDivergedError:   # rank 0 met the same skipped steps: it ends the run and says stop
+                pass
+        else:
+            raise RuntimeError(f"follower: unknown message {kind!r} from rank 0")
+
+
+class _GatheringSampler:
+    """Rank 0's sampler under fsdp2: `load_weights` gathers the full weights from the shards (the followers
+    join the collective on a "gather" message); everything else is the sampler's."""
+
+    def __init__(self, sampler, trainer: Trainer, channel: Channel):
+        self.__dict__.update(_sampler=sampler, _trainer=trainer, _channel=channel)
+
+    def __getattr__(self, name):
+        return getattr(self._sampler, name)
+
+    def __setattr__(self, name, value):
+        setattr(self._sampler, name, value)
+
+    def load_weights(self, model, version: int) -> None:
+        if self._trainer.parallel is None:   # before the first step the model is not sharded yet
+            return self._sampler.load_weights(model, version)
+        self._channel.send(("gather", None))
+        self._sampler.load_weights(full_model_state(self._trainer.model), version)

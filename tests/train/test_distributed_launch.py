@@ -1,0 +1,75 @@
+"""`torchrun --nproc-per-node 2 -m covrl train ... trainer.parallel=ddp` end to end on the tiny model: the run
+completes, rank 0 owns the folder, and a checkpoint of the 2-rank run resumes on one process (2 -> 1) to the
+same weights and optimizer state as a straight one-process run."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from covrl.train import checkpoint as ckpt
+
+torch.set_num_threads(1)
+
+TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
+CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+OVERRIDES = [
+    "run.num_threads=1", "model.source=tiny", "model.tiny.hidden_size=32", "model.tiny.num_layers=1",
+    "model.tiny.num_heads=2", "model.tiny.intermediate_size=64", "model.tiny.max_positions=48",
+    "task.name=arithmetic", "task.chat_template=false", "task.n_train=64", "task.n_eval=8",
+    "sampler.max_new_tokens=4", "sft_warmup.steps=3", "sft_warmup.batch_size=16", "optim.lr=3e-3",
+    "loop.prompts_per_step=4", "loop.group_size=4", "eval.max_prompts=4", "logging.curves=false",
+    "logging.progress_bar=false", "logging.noise_scale=false",
+]
+
+
+def _port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _covrl(args, *, ranks: int | None, cwd: Path) -> subprocess.CompletedProcess:
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+           "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"),
+                                          os.environ.get("PYTHONPATH", "")])}
+    head = [sys.executable, "-m", "covrl"] if ranks is None else [
+        TORCHRUN, "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(_port()),
+        "-m", "covrl"]
+    return subprocess.run([*head, "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+
+
+def _final(run_dir: Path):
+    path = ckpt.latest_checkpoint(run_dir)
+    state = ckpt.load_state(path)["trainer"]
+    return load_file(str(path / "model" / "model.safetensors")), state["optimizer"]["state"], state["rollouts"]
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
+def test_torchrun_ddp_run_resumes_on_one_process(tmp_path):
+    base = ["--config", str(CONFIG), *OVERRIDES, f"run.output_dir={tmp_path}"]
+    two = _covrl([*base, "loop.steps=2", "trainer.parallel=ddp", "--name", "two"], ranks=2, cwd=tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.stdout.count("run folder:") == 1    # only rank 0 speaks
+    summary = json.loads((tmp_path / "two" / "summary.json").read_text())
+    assert summary["status"] == "completed" and summary["steps"] == 2
+    resumed = _covrl(["--resume", "--name", str(tmp_path / "two"), "loop.steps=3", "trainer.parallel=none"],
+                     ranks=None, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    straight = _covrl([*base, "loop.steps=3", "--name", "one"], ranks=None, cwd=tmp_path)
+    assert straight.returncode == 0, straight.stderr[-3000:]
+    w2, opt2, r2 = _final(tmp_path / "two")
+    w1, opt1, r1 = _final(tmp_path / "one")
+    assert r1 == r2 == 48
+    weight_diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+    moment_diff = max(float((opt1[i][s] - opt2[i][s]).abs().max()) for i in opt1 for s in ("exp_avg", "exp_avg_sq"))
+    assert weight_diff <= 5e-6 and moment_diff <= 1e-6, (weight_diff, moment_diff)
