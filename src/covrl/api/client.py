@@ -38,6 +38,7 @@ from covrl.api.types import (
 from covrl.config import load_config
 from covrl.math import CorrectionConfig, aggregate, rollout_correction
 from covrl.models import forward_response, load_model
+from covrl.models.loading import _apply_lora as apply_lora   # the adapters load_model adds
 from covrl.rollout.sampler import SamplerConfig, build_sampler
 from covrl.tasks import build_task
 from covrl.train import checkpoint as ckpt
@@ -117,12 +118,17 @@ class TrainingClient:
 
     @classmethod
     def from_config(cls, config: TrainConfig | str | Path = "tiny", overrides=None, *, warmup: bool = True,
-                    state_dir: str | Path | None = None) -> TrainingClient:
+                    lora_after_warmup: bool = False, state_dir: str | Path | None = None) -> TrainingClient:
         """The model (`model` section, LoRA included), task and prompt stream of a covrl config, set up as
         `covrl train` sets them up (same seeding order, the SFT warm-up when `sft_warmup.steps` > 0), with the
         config's sampler, temperature, correction, micro-batch size and prompt sharing. `.config`, `.task` and
-        `.stream` are there for the loop."""
+        `.stream` are there for the loop. `lora_after_warmup`: the warm-up trains the full model (the stand-in
+        for a pretrained base model) and the LoRA adapters are added after it (`covrl train` warms up the
+        adapters only); the Tinker facade uses this."""
         cfg = resolve_config(config, overrides)
+        lora = cfg.model.lora if lora_after_warmup and warmup and cfg.sft_warmup.steps > 0 else None
+        if lora is not None:
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
         if cfg.run.num_threads:
             torch.set_num_threads(cfg.run.num_threads)
         seed_everything(cfg.run.seed)
@@ -138,6 +144,16 @@ class TrainingClient:
         if warmup and cfg.sft_warmup.steps > 0:
             client.sft_metrics = sft_warmup(model, tokenizer, task, cfg.sft_warmup, seed=cfg.run.seed,
                                             micro_batch_size=cfg.optim.micro_batch_size * 4)
+        sft = client.sft_metrics
+        if lora is not None:
+            with torch.random.fork_rng():   # adapter init from the seed, as load_model draws it
+                torch.manual_seed(cfg.run.seed)
+                model = apply_lora(model, lora)
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": lora})})
+            client = cls(model, tokenizer, temperature=client.temperature, correction=client.correction,
+                         micro_batch_size=client.micro_batch_size, share_prompts=client.share_prompts,
+                         sampler_config=client.sampler_config, seed=cfg.run.seed, state_dir=client.state_dir)
+            client.sft_metrics = sft
         client.config, client.task, client.stream = cfg, task, stream
         return client
 

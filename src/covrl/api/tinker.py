@@ -495,7 +495,8 @@ class ServiceClient:
         model = self.config.model.model_copy(update={**self._model_section(base_model), "lora": lora})
         run = self.config.run if seed is None else self.config.run.model_copy(update={"seed": int(seed)})
         cfg = self.config.model_copy(update={"model": model, "run": run})
-        return TrainingClient(_ApiTrainingClient.from_config(cfg, warmup=self.warmup, state_dir=self.state_dir),
+        return TrainingClient(_ApiTrainingClient.from_config(cfg, warmup=self.warmup, lora_after_warmup=True,
+                                                             state_dir=self.state_dir),
                               base_model)
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,

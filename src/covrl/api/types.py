@@ -60,6 +60,11 @@ class TrainBatch:
     sampled: torch.Tensor | None = None
 
     def __post_init__(self):
+        for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "sampler_logprobs", "advantages",
+                     "weights", "sampled"):
+            v = getattr(self, name)
+            if isinstance(v, torch.Tensor) and v.is_inference():   # a sampler's tensors: autograd may not save them
+                object.__setattr__(self, name, v.clone())
         for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask"):
             v = getattr(self, name)
             if not isinstance(v, torch.Tensor) or v.dim() != 2:
