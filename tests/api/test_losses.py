@@ -6,22 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from covrl.api import API_LOSSES, MATH_LOSSES, TINKER_LOSSES, TrainBatch
+from api_helpers import make_batch
+
+from covrl.api import API_LOSSES, MATH_LOSSES, TINKER_LOSSES
 from covrl.math import LOSS_SPECS, policy_loss
-
-
-def make_batch(client, *, seed=0):
-    """Rollouts of 4 prompts x 4 answers from the client's sampler, with made-up advantages and sampler
-    log-probs moved off the trainer's so the ratios are not all 1."""
-    sampling = client.save_weights_and_get_sampling_client()
-    examples, _ = client.stream.take(4)
-    out = sampling.sample([client.task.encode(client.tokenizer, ex) for ex in examples], 4)
-    g = torch.Generator().manual_seed(seed)
-    mask = out.batch.response_mask
-    adv = torch.randn(len(out.batch), generator=g)[:, None] * mask
-    q = (out.batch.sampler_logprobs + 0.3 * torch.randn(mask.shape, generator=g)) * mask
-    return TrainBatch(out.batch.prompt_ids, out.batch.prompt_mask, out.batch.response_ids, mask,
-                      sampler_logprobs=q, advantages=adv)
 
 
 def grads(client):
