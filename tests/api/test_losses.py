@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from api_helpers import make_batch
 
 from covrl.api import API_LOSSES, MATH_LOSSES, TINKER_LOSSES

@@ -13,7 +13,6 @@ from covrl.api import AdamParams, SamplingParams, StaleSamplingClientError, Trai
 from covrl.train.checkpoint import COMPLETE
 
 
-
 def step(client, lr=1e-2):
     client.forward_backward(make_batch(client), "ppo_clip")
     return client.optim_step(AdamParams(learning_rate=lr, grad_clip_norm=1.0))

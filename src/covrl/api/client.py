@@ -38,7 +38,7 @@ from covrl.api.types import (
 from covrl.config import load_config
 from covrl.math import CorrectionConfig, aggregate, rollout_correction
 from covrl.models import forward_response, load_model
-from covrl.models.loading import _apply_lora as apply_lora   # the adapters load_model adds
+from covrl.models.loading import _apply_lora as apply_lora  # the adapters load_model adds
 from covrl.rollout.sampler import SamplerConfig, build_sampler
 from covrl.tasks import build_task
 from covrl.train import checkpoint as ckpt

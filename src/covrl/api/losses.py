@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from covrl.math import LOSS_SPECS, LossOutput, LossSpec, aggregate
+from covrl.math import LOSS_SPECS, LossOutput, LossSpec
 
 LOG_RATIO_CLAMP = 20.0   # as covrl.math: exp of a larger log-ratio overflows the fp32 products
 
