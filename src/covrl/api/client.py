@@ -1,0 +1,479 @@
+"""`TrainingClient` and `SamplingClient`: covrl's model, forward, losses, rollout correction, AdamW, samplers and
+atomic checkpoints as building blocks for a loop the user writes (docs/api.md).
+
+    client = TrainingClient.from_config("tiny")                 # model (+ LoRA), task, prompt stream, warm-up
+    sampling = client.save_weights_and_get_sampling_client()   # the sampler, holding weights version v
+    out = sampling.sample(prompts, num_samples=8)              # tokens + the sampler's log-probs
+    fb = client.forward_backward(TrainBatch.from_rollouts(out.batch, advantages), loss_fn="covariance")
+    client.optim_step(AdamParams(learning_rate=3e-4, ...))     # AdamW; gradients accumulated since the last step
+
+Gradients accumulate over `forward_backward` calls until `optim_step`, as in Tinker. Rows are processed in
+micro-batches of `micro_batch_size` (None: all at once); a covrl.math loss is aggregated over the whole call's
+sampled tokens (each micro-batch contributes its share, as `covrl.train.trainer` does), so the micro-batch size
+changes memory, not the gradient (up to float rounding).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Mapping
+from importlib import resources
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from covrl.api.losses import ApiLoss, LossInputs, get_loss
+from covrl.api.types import (
+    AdamParams,
+    ForwardBackwardResult,
+    ForwardResult,
+    OptimStepResult,
+    SampledSequence,
+    SampleResult,
+    SamplingParams,
+    StaleSamplingClientError,
+    TrainBatch,
+)
+from covrl.config import load_config
+from covrl.math import CorrectionConfig, aggregate, rollout_correction
+from covrl.models import forward_response, load_model
+from covrl.models.loading import _apply_lora as apply_lora  # the adapters load_model adds
+from covrl.rollout.sampler import SamplerConfig, build_sampler
+from covrl.tasks import build_task
+from covrl.train import checkpoint as ckpt
+from covrl.train.config import TrainConfig
+from covrl.train.data import DataStream
+from covrl.train.run import resolve_device, seed_everything
+from covrl.train.sft import sft_warmup
+
+STATE_KEY = "api"
+
+
+def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
+    den = float(mask.sum())
+    return float((x * mask).sum()) / den if den > 0 else 0.0
+
+
+def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
+    if x.shape[1] == width:
+        return x
+    return torch.cat([x, x.new_zeros((x.shape[0], width - x.shape[1], *x.shape[2:]))], dim=1)
+
+
+def resolve_config(config: TrainConfig | str | Path, overrides: Mapping[str, Any] | list[str] | None = None
+                   ) -> TrainConfig:
+    """A TrainConfig as given, or loaded from a YAML path or a packaged preset name ("tiny", "default") with
+    dotted overrides ({"optim.lr": 1e-3} or ["optim.lr=1e-3"])."""
+    if isinstance(config, TrainConfig):
+        if overrides:
+            raise ValueError("overrides: apply them to the TrainConfig yourself (or pass a preset name / path)")
+        return config
+    path = Path(config)
+    if not path.suffix:
+        packaged = resources.files("covrl").joinpath("configs", f"{config}.yaml")
+        if not packaged.is_file():
+            raise FileNotFoundError(f"config: no preset {config!r} in covrl's configs/ and no such file")
+        path = Path(str(packaged))
+    if isinstance(overrides, Mapping):
+        import json
+
+        overrides = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in overrides.items()]
+    return load_config(path, list(overrides or []))
+
+
+class TrainingClient:
+    """Training on one model (full fine-tune, or LoRA adapters when the model is a peft model).
+
+    `temperature`: the temperature of the trainer's log-probs (the sampler's, so that ratios compare like with
+    like). `correction`: the default rollout correction (covrl.math.CorrectionConfig or its dict) applied to
+    covrl.math losses when the batch has sampler log-probs; its mismatch metrics come back with every such call.
+    `state_dir`: where `save_state(name)` writes `checkpoints/<name>/`.
+    """
+
+    def __init__(self, model, tokenizer, *, temperature: float = 1.0, correction: CorrectionConfig | dict | None = None,
+                 micro_batch_size: int | None = None, share_prompts: bool = False,
+                 sampler_config: SamplerConfig | None = None, seed: int = 0, state_dir: str | Path = "runs/api"):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.params = [p for p in model.parameters() if p.requires_grad]
+        if not self.params:
+            raise ValueError("model: no trainable parameters (requires_grad=False everywhere)")
+        self.temperature = float(temperature)
+        self.correction = _as_correction(correction)
+        if micro_batch_size is not None and micro_batch_size < 1:
+            raise ValueError(f"micro_batch_size: must be >= 1 or None, got {micro_batch_size}")
+        self.micro_batch_size = micro_batch_size
+        self.share_prompts = share_prompts
+        self.sampler_config = sampler_config or SamplerConfig(temperature=self.temperature)
+        self.generator = torch.Generator().manual_seed(int(seed))
+        self.state_dir = Path(state_dir)
+        self.optimizer: torch.optim.Optimizer | None = None
+        self.version = 0           # optimizer steps applied = the policy version a sampling client holds
+        self._sampler = None
+        self.config: TrainConfig | None = None
+        self.task = None
+        self.stream: DataStream | None = None
+        self.sft_metrics: dict[str, float] = {}
+
+    @classmethod
+    def from_config(cls, config: TrainConfig | str | Path = "tiny", overrides=None, *, warmup: bool = True,
+                    lora_after_warmup: bool = False, state_dir: str | Path | None = None) -> TrainingClient:
+        """The model (`model` section, LoRA included), task and prompt stream of a covrl config, set up as
+        `covrl train` sets them up (same seeding order, the SFT warm-up when `sft_warmup.steps` > 0), with the
+        config's sampler, temperature, correction, micro-batch size and prompt sharing. `.config`, `.task` and
+        `.stream` are there for the loop. `lora_after_warmup`: the warm-up trains the full model (the stand-in
+        for a pretrained base model) and the LoRA adapters are added after it (`covrl train` warms up the
+        adapters only); the Tinker facade uses this."""
+        cfg = resolve_config(config, overrides)
+        lora = cfg.model.lora if lora_after_warmup and warmup and cfg.sft_warmup.steps > 0 else None
+        if lora is not None:
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
+        if cfg.run.num_threads:
+            torch.set_num_threads(cfg.run.num_threads)
+        seed_everything(cfg.run.seed)
+        device = resolve_device(cfg.run.device)
+        task = build_task(cfg.task)
+        stream = DataStream(task.train, seed=cfg.run.seed)
+        model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)
+        model.to(device)
+        client = cls(model, tokenizer, temperature=cfg.sampler.temperature, correction=cfg.correction,
+                     micro_batch_size=cfg.optim.micro_batch_size, share_prompts=cfg.optim.share_prompts,
+                     sampler_config=cfg.sampler, seed=cfg.run.seed,
+                     state_dir=state_dir or Path(cfg.run.output_dir) / f"{cfg.run.name}-api")
+        if warmup and cfg.sft_warmup.steps > 0:
+            client.sft_metrics = sft_warmup(model, tokenizer, task, cfg.sft_warmup, seed=cfg.run.seed,
+                                            micro_batch_size=cfg.optim.micro_batch_size * 4)
+        sft = client.sft_metrics
+        if lora is not None:
+            with torch.random.fork_rng():   # adapter init from the seed, as load_model draws it
+                torch.manual_seed(cfg.run.seed)
+                model = apply_lora(model, lora)
+            cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": lora})})
+            client = cls(model, tokenizer, temperature=client.temperature, correction=client.correction,
+                         micro_batch_size=client.micro_batch_size, share_prompts=client.share_prompts,
+                         sampler_config=client.sampler_config, seed=cfg.run.seed, state_dir=client.state_dir)
+            client.sft_metrics = sft
+        client.config, client.task, client.stream = cfg, task, stream
+        return client
+
+    # ---------------------------------------------------------------------------------------- forward
+    @property
+    def device(self) -> torch.device:
+        return self.params[0].device
+
+    def _plan(self, rows: int) -> list[torch.Tensor]:
+        size = self.micro_batch_size or rows
+        return [torch.arange(s, min(s + size, rows), device=self.device) for s in range(0, rows, size)]
+
+    def _forward(self, mb: TrainBatch):
+        return forward_response(self.model, mb.prompt_ids, mb.prompt_mask.float(), mb.response_ids,
+                                mb.response_mask.float(), self.temperature, share_prompts=self.share_prompts)
+
+    @torch.no_grad()
+    def forward(self, batch: TrainBatch) -> ForwardResult:
+        """Log-probs (and entropy, Σπ²) of the response tokens, no gradient: e.g. the inputs of OTB advantages."""
+        batch = _check_batch(batch, self.device)
+        rows, width = batch.response_ids.shape
+        out = ForwardResult(*(torch.zeros((rows, width), device=self.device) for _ in range(3)))
+        for idx in self._plan(rows):
+            fwd = self._forward(batch.select(idx))
+            out.logprobs[idx] = _pad_cols(fwd.logprobs.float(), width)
+            out.entropy[idx] = _pad_cols(fwd.entropy, width)
+            out.sum_pi_sq[idx] = _pad_cols(fwd.sum_pi_sq, width)
+        return out
+
+    def forward_backward(self, batch: TrainBatch, loss_fn: str = "covariance", *,
+                         loss_options: Mapping[str, Any] | None = None, agg_mode: str = "token-mean",
+                         correction: CorrectionConfig | dict | None = None) -> ForwardBackwardResult:
+        """One forward and backward over `batch`; the gradient is ADDED to the parameters' .grad.
+
+        `loss_fn`: a name of `covrl.api.losses.API_LOSSES` (every covrl.math loss and Tinker's built-ins),
+        `loss_options` its options (covrl.math: the registry's option names plus `norm_constant`; Tinker's:
+        clip_low_threshold / clip_high_threshold / beta). `agg_mode` (covrl.math losses only, see
+        covrl.math.aggregate). `correction` overrides the client's default for this call.
+        """
+        spec = get_loss(loss_fn)
+        options = spec.check_options(dict(loss_options or {}))
+        batch = _check_batch(batch, self.device)
+        _check_inputs(spec, batch)
+        corr_cfg = self.correction if correction is None else _as_correction(correction)
+        rows, width = batch.response_ids.shape
+        sampled_full = batch.sampled_mask
+        has_q = batch.sampler_logprobs is not None
+        # batch-normalised IS weights need the whole batch's log-probs before any micro-batch's loss
+        prepass = self.forward(batch).logprobs if has_q and corr_cfg.is_batch_normalize else None
+        pre_corr = rollout_correction(prepass, batch.sampler_logprobs, sampled_full, corr_cfg,
+                                      with_metrics=False) if prepass is not None else None
+        full = ForwardResult(*(torch.zeros((rows, width), device=self.device) for _ in range(3)))
+        token_loss_full = torch.zeros((rows, width), device=self.device)
+        total_tokens = float(sampled_full.sum())
+        loss_total, metrics = 0.0, {}
+        self.model.train()
+        for idx in self._plan(rows):
+            mb = batch.select(idx)
+            t = mb.response_ids.shape[1]
+            fwd = self._forward(mb)
+            full.logprobs[idx] = _pad_cols(fwd.logprobs.detach().float(), width)
+            full.entropy[idx] = _pad_cols(fwd.entropy, width)
+            full.sum_pi_sq[idx] = _pad_cols(fwd.sum_pi_sq, width)
+            sampled = mb.sampled_mask
+            keep, is_weights = sampled, None
+            if has_q and spec.family == "covrl.math":
+                if pre_corr is not None:
+                    keep, w = pre_corr.keep[idx][:, :t], pre_corr.weights[idx][:, :t]
+                else:
+                    corr = rollout_correction(fwd.logprobs.detach(), mb.sampler_logprobs.float(), sampled, corr_cfg,
+                                              with_metrics=False)
+                    keep, w = corr.keep, corr.weights
+                is_weights = w if corr_cfg.is_level is not None else None
+            advantages = mb.advantages.float() if mb.advantages is not None else None
+            x = LossInputs(logprobs=fwd.logprobs, sampler_logprobs=mb.sampler_logprobs, advantages=advantages,
+                           sampled=sampled, weights=mb.loss_weights, keep=keep, is_weights=is_weights)
+            out = spec.fn(x, options)
+            loss = self._reduce(spec, out.token_loss, idx, sampled_full, agg_mode, options)
+            if not torch.isfinite(loss):
+                raise FloatingPointError(f"forward_backward: non-finite loss ({float(loss.detach())}) with "
+                                         f"loss_fn {loss_fn!r}; the gradient of this call was not added")
+            loss.backward()
+            loss_total += float(loss.detach())
+            token_loss_full[idx] = _pad_cols(out.token_loss.detach().float(), width)
+            share = float(mb.sampled_mask.sum()) / total_tokens if total_tokens > 0 else 0.0
+            chunk = dict(out.metrics)
+            if spec.family == "covrl.math":
+                chunk["loss/policy"] = float(loss.detach())
+            for k, v in chunk.items():   # token-share average of the micro-batches' metrics, as the trainer's
+                metrics[k] = metrics.get(k, 0.0) + share * v
+        metrics["loss"] = loss_total
+        if spec.family == "tinker":
+            metrics["loss:sum"] = loss_total
+        metrics["entropy"] = _masked_mean(full.entropy, sampled_full)
+        if has_q:
+            metrics.update(rollout_correction(full.logprobs, batch.sampler_logprobs, sampled_full, corr_cfg).metrics)
+        return ForwardBackwardResult(full.logprobs, full.entropy, full.sum_pi_sq, loss=loss_total,
+                                     token_loss=token_loss_full, metrics=metrics)
+
+    def _reduce(self, spec: ApiLoss, token_loss: torch.Tensor, idx: torch.Tensor, sampled_full: torch.Tensor,
+                agg_mode: str, options: Mapping[str, Any]) -> torch.Tensor:
+        if spec.family == "tinker":
+            return token_loss.sum()
+        # this micro-batch's share of the full-call aggregate (covrl.train.trainer's normaliser)
+        padded = _pad_cols(token_loss.float(), sampled_full.shape[1])
+        placed = torch.zeros(sampled_full.shape, dtype=torch.float32, device=padded.device).index_copy(0, idx, padded)
+        return aggregate(placed, sampled_full, agg_mode, norm_constant=options.get("norm_constant"))
+
+    def forward_backward_custom(self, batch: TrainBatch,
+                                fn: Callable[[TrainBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
+                                ) -> ForwardBackwardResult:
+        """`fn(batch, logprobs [B, T] with gradient) -> (scalar loss, metrics)` on the whole batch at once (a
+        custom loss may couple rows); its gradient is added to .grad."""
+        batch = _check_batch(batch, self.device)
+        self.model.train()
+        fwd = self._forward(batch)
+        lp = _pad_cols(fwd.logprobs, batch.response_ids.shape[1])
+        result = fn(batch, lp)
+        if not (isinstance(result, tuple) and len(result) == 2):
+            raise TypeError("forward_backward_custom: fn must return (loss, metrics)")
+        loss, user_metrics = result
+        if not isinstance(loss, torch.Tensor) or loss.dim() != 0:
+            raise TypeError("forward_backward_custom: fn's loss must be a scalar tensor")
+        loss.backward()
+        metrics = {**{k: float(v) for k, v in dict(user_metrics or {}).items()}, "loss": float(loss.detach())}
+        sampled = batch.sampled_mask
+        metrics["entropy"] = _masked_mean(fwd.entropy, sampled)
+        if batch.sampler_logprobs is not None:
+            metrics.update(rollout_correction(lp.detach(), batch.sampler_logprobs, sampled, self.correction).metrics)
+        return ForwardBackwardResult(lp.detach(), fwd.entropy, fwd.sum_pi_sq, loss=float(loss.detach()),
+                                     metrics=metrics)
+
+    # -------------------------------------------------------------------------------------- optimizer
+    def zero_grad(self) -> None:
+        for p in self.params:
+            p.grad = None
+
+    def optim_step(self, adam_params: AdamParams | None = None) -> OptimStepResult:
+        """One AdamW step on the accumulated gradients with this call's hyper-parameters, then zero them.
+        Global-norm clipping at adam_params.grad_clip_norm (0: none; the norm is reported either way). A
+        non-finite gradient norm skips the update (metrics: skipped=1) and drops the gradients."""
+        p = adam_params or AdamParams()
+        if not isinstance(p, AdamParams):
+            raise TypeError(f"adam_params: expected covrl.api.AdamParams, got {type(p).__name__}")
+        hyper = {"lr": float(p.learning_rate), "betas": (float(p.beta1), float(p.beta2)), "eps": float(p.eps),
+                 "weight_decay": float(p.weight_decay)}
+        if self.optimizer is None:
+            self.optimizer = _adamw(self.params, hyper)
+        for group in self.optimizer.param_groups:
+            group.update(hyper)
+        max_norm = float(p.grad_clip_norm) if p.grad_clip_norm > 0 else math.inf
+        grads = [q for q in self.params if q.grad is not None]
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(self.params, max_norm)) if grads else 0.0
+        metrics = {"grad_norm": grad_norm, "lr": hyper["lr"]}
+        if not math.isfinite(grad_norm):
+            self.zero_grad()
+            return OptimStepResult(self.version, {**metrics, "skipped": 1.0})
+        self.optimizer.step()
+        self.optimizer.zero_grad(set_to_none=True)
+        self.version += 1
+        return OptimStepResult(self.version, {**metrics, "skipped": 0.0, "version": float(self.version)})
+
+    # ------------------------------------------------------------------------------------------ state
+    def state_dict(self) -> dict[str, Any]:
+        return {"optimizer": None if self.optimizer is None else self.optimizer.state_dict(),
+                "version": self.version, "generator": self.generator.get_state()}
+
+    def save_state(self, name: str) -> Path:
+        """Weights, optimizer state, version and the sampling generator as an atomic covrl checkpoint
+        (covrl.train.checkpoint: COMPLETE marker last) at `<state_dir>/checkpoints/<name>/`; returns its path."""
+        if not name or "/" in name or name.startswith("."):
+            raise ValueError(f"name: a plain folder name is needed, got {name!r}")
+        return ckpt.save_checkpoint(self.state_dir, name, model=self.model, tokenizer=self.tokenizer,
+                                    state={"format": 1, STATE_KEY: self.state_dict()},
+                                    info={"policy_version": self.version})
+
+    def load_state(self, path: str | Path, *, optimizer: bool = True) -> None:
+        """Restore a `save_state` checkpoint (a path, or a name under `<state_dir>/checkpoints/`): the weights
+        always, the optimizer state, version and generator with `optimizer=True` (bit-exact round trip)."""
+        path = Path(path)
+        if not path.is_dir() and (self.state_dir / "checkpoints" / path).is_dir():
+            path = self.state_dir / "checkpoints" / path
+        state = ckpt.load_state(path)
+        if STATE_KEY not in state:
+            raise ckpt.CheckpointError(f"{path}: not a covrl.api checkpoint (no {STATE_KEY!r} state)")
+        ckpt.apply_model_weights(self.model, ckpt.read_model_weights(self.model, path / ckpt.MODEL_DIR))
+        self.zero_grad()
+        if optimizer:
+            s = state[STATE_KEY]
+            if s["optimizer"] is not None:
+                if self.optimizer is None:
+                    self.optimizer = _adamw(self.params, {"lr": 0.0})
+                self.optimizer.load_state_dict(s["optimizer"])
+            else:
+                self.optimizer = None
+            self.version = int(s["version"])
+            self.generator.set_state(s["generator"])
+        if self._sampler is not None:
+            self._sampler.load_weights(self.model, self.version)
+
+    # --------------------------------------------------------------------------------------- sampling
+    @property
+    def sampler(self):
+        """The sampler backend of `sampler_config` (hf, or vllm when configured), built on first use."""
+        if self._sampler is None:
+            self._sampler = build_sampler(self.sampler_config, self.model, self.tokenizer)
+        return self._sampler
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
+        """Push the current weights into the sampler (version = optimizer steps so far) and return a client
+        bound to that version. `name` labels it (nothing is written: save_state writes checkpoints)."""
+        self.sampler.load_weights(self.model, self.version)
+        return SamplingClient(self, self.version, name)
+
+    def get_tokenizer(self):
+        return self.tokenizer
+
+
+class SamplingClient:
+    """Samples from the weights of one version. Using it after newer weights were pushed (another
+    save_weights_and_get_sampling_client, or an optim_step while the sampler shares the trainer's module)
+    raises StaleSamplingClientError rather than silently sampling from other weights."""
+
+    def __init__(self, owner: TrainingClient, version: int, name: str | None = None):
+        self.owner = owner
+        self.version = int(version)
+        self.name = name
+
+    def _check_fresh(self) -> None:
+        sampler = self.owner.sampler
+        live = sampler.version if not getattr(sampler, "shares_weights", False) else self.owner.version
+        if sampler.version != self.version or live != self.version:
+            raise StaleSamplingClientError(
+                f"this sampling client holds weights version {self.version}, the sampler now holds "
+                f"{live}: call save_weights_and_get_sampling_client() again")
+
+    def sample(self, prompts: list[int] | list[list[int]], num_samples: int = 1,
+               sampling_params: SamplingParams | None = None, *, greedy: bool = False) -> SampleResult:
+        """`num_samples` completions of each prompt (one prompt as a list of ids, or a list of them), in one
+        batched generate call. Returns the tokens, the sampler's log q of each drawn token and the batch."""
+        self._check_fresh()
+        if not isinstance(prompts, (list, tuple)) or not prompts:
+            raise ValueError("prompt: a non-empty list of token ids (or a list of such lists)")
+        many = isinstance(prompts[0], (list, tuple))
+        rows = [list(map(int, p)) for p in prompts] if many else [list(map(int, prompts))]
+        if isinstance(num_samples, bool) or not isinstance(num_samples, int) or num_samples < 1:
+            raise ValueError(f"num_samples: must be an int >= 1, got {num_samples!r}")
+        sampler = self.owner.sampler
+        params = sampling_params or SamplingParams()
+        update = _sampler_update(params, sampler)
+        generator = torch.Generator().manual_seed(int(params.seed)) if params.seed is not None \
+            else self.owner.generator
+        old = sampler.cfg
+        sampler.cfg = old.model_copy(update=update) if update else old
+        try:
+            batch = sampler.generate(rows, num_samples, generator=generator, policy_version=self.version,
+                                     greedy=greedy)
+        finally:
+            sampler.cfg = old
+        eos = set(getattr(sampler, "eos_ids", []))
+        sequences = []
+        for i in range(len(batch)):
+            n = int(batch.response_mask[i].sum())
+            tokens = batch.response_ids[i, :n].tolist()
+            sequences.append(SampledSequence(tokens=tokens, logprobs=batch.sampler_logprobs[i, :n].tolist(),
+                                             stop_reason="stop" if tokens and tokens[-1] in eos else "length",
+                                             prompt_index=i // num_samples))
+        return SampleResult(sequences=sequences, batch=batch, version=self.version)
+
+    def get_tokenizer(self):
+        return self.owner.tokenizer
+
+
+def _sampler_update(params: SamplingParams, sampler) -> dict[str, Any]:
+    update: dict[str, Any] = {}
+    if params.max_tokens is not None:
+        if params.max_tokens < 1:
+            raise ValueError(f"sampling_params.max_tokens: must be >= 1, got {params.max_tokens}")
+        update["max_new_tokens"] = int(params.max_tokens)
+    if params.temperature is not None:
+        if not params.temperature > 0:
+            raise ValueError(f"sampling_params.temperature: must be > 0 (greedy=True for argmax), got "
+                             f"{params.temperature}")
+        update["temperature"] = float(params.temperature)
+    if params.top_k is not None:
+        update["top_k"] = 0 if params.top_k in (-1, 0) else int(params.top_k)
+    if params.top_p is not None:
+        update["top_p"] = float(params.top_p)
+    if params.stop:
+        stop = [params.stop] if isinstance(params.stop, (str, int)) else list(params.stop)
+        eos = set(getattr(sampler, "eos_ids", []))
+        if any(not isinstance(s, int) or s not in eos for s in stop):
+            raise ValueError(f"sampling_params.stop: only the model's EOS token ids {sorted(eos)} are supported "
+                             f"as stop sequences here, got {stop!r}")
+    return update
+
+
+def _adamw(params, hyper: dict[str, Any]) -> torch.optim.AdamW:
+    # the fused kernel when every parameter allows it, as covrl.train.trainer (same update, bit for bit)
+    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
+    return torch.optim.AdamW(params, **hyper, **({"fused": True} if fused else {}))
+
+
+def _as_correction(c: CorrectionConfig | dict | None) -> CorrectionConfig:
+    if c is None:
+        return CorrectionConfig()
+    return CorrectionConfig(**c) if isinstance(c, dict) else c
+
+
+def _check_batch(batch: TrainBatch, device: torch.device) -> TrainBatch:
+    if not isinstance(batch, TrainBatch):
+        raise TypeError(f"batch: expected covrl.api.TrainBatch, got {type(batch).__name__}")
+    moved = {k: getattr(batch, k).to(device) for k in ("prompt_ids", "prompt_mask", "response_ids",
+                                                       "response_mask", "sampler_logprobs", "advantages",
+                                                       "weights", "sampled") if getattr(batch, k) is not None}
+    return TrainBatch(**moved)
+
+
+def _check_inputs(spec: ApiLoss, batch: TrainBatch) -> None:
+    missing = [k for k in sorted(spec.requires) if getattr(batch, k) is None]
+    if missing:
+        raise ValueError(f"loss_fn {spec.name!r} needs the batch field(s) {missing} (TrainBatch."
+                         f"{missing[0]} is None)")

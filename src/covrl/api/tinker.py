@@ -1,0 +1,528 @@
+"""A Tinker-compatible facade: the names and request/response shapes of Tinker's public Python SDK mapped onto
+covrl.api, running locally (written from Tinker's documented types; tested with covrl's own copies of them
+and with the SDK's own `tinker.types` objects when the `tinker` package is importable).
+
+    import covrl.api.tinker as tinker                     # instead of `import tinker`
+    from covrl.api.tinker import types
+    service_client = tinker.ServiceClient(config="tiny")  # covrl addition: which preset/config backs it
+    training_client = service_client.create_lora_training_client(base_model="tiny", rank=32)
+    sampling_client = training_client.save_weights_and_get_sampling_client(name="000001")
+    result = sampling_client.sample(prompt=types.ModelInput.from_ints(ids), num_samples=8,
+                                    sampling_params=types.SamplingParams(max_tokens=4, temperature=1.0)).result()
+    datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], "logprobs": lp, "advantages": adv})
+    training_client.forward_backward([datum], loss_fn="importance_sampling").result()
+    training_client.optim_step(types.AdamParams(learning_rate=1e-4)).result()
+
+Conventions (Tinker's): position i of `model_input` predicts `target_tokens[i]`; losses are per-token SUMS
+over the Datum's positions (prompt positions carry advantage 0 and so add nothing to the RL losses); `logprobs`
+in loss_fn_inputs are the sampler's. covrl scores the sequence itself, so `target_tokens` must be `model_input`
+shifted by one (`target_tokens[i] == model_input[i + 1]`); other targets are refused, naming the position.
+The mismatch metrics (covrl.math.rollout_correction) are computed on the sampled positions: `weights > 0`
+when given, else positions with a non-zero `logprobs` or `advantages`.
+Calls return futures that are already done (`.result()`, `await .result_async()`); `*_async` variants exist.
+"""
+
+from __future__ import annotations
+
+import types as _pytypes
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from covrl.api import types as api_types
+from covrl.api.client import SamplingClient as _ApiSamplingClient
+from covrl.api.client import TrainingClient as _ApiTrainingClient
+from covrl.api.client import resolve_config
+from covrl.api.losses import API_LOSSES
+from covrl.api.types import StaleSamplingClientError, TrainBatch
+from covrl.models import LoraConfig
+
+# Tinker's loss names whose meaning differs from covrl.math's entry of the same name
+_TINKER_NAMES = {"cispo": "tinker_cispo", "gspo": "tinker_gspo"}
+_KEY_DTYPE = {"target_tokens": "int64"}
+_ATTN, _MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
+
+
+# ------------------------------------------------------------------------------------------------ types
+
+@dataclass(frozen=True)
+class EncodedTextChunk:
+    tokens: Sequence[int]
+    type: str = "encoded_text"
+
+    @property
+    def length(self) -> int:
+        return len(self.tokens)
+
+
+@dataclass(frozen=True)
+class ModelInput:
+    chunks: list[EncodedTextChunk] = field(default_factory=list)
+
+    @classmethod
+    def from_ints(cls, tokens: Sequence[int]) -> ModelInput:
+        return cls([EncodedTextChunk([int(t) for t in tokens])])
+
+    @classmethod
+    def empty(cls) -> ModelInput:
+        return cls([])
+
+    def to_ints(self) -> list[int]:
+        return [int(t) for c in self.chunks for t in c.tokens]
+
+    @property
+    def length(self) -> int:
+        return sum(c.length for c in self.chunks)
+
+    def append(self, chunk: EncodedTextChunk) -> ModelInput:
+        return ModelInput([*self.chunks, chunk])
+
+    def append_int(self, token: int) -> ModelInput:
+        return self.append(EncodedTextChunk([int(token)]))
+
+
+class TensorData:
+    """A flat array with its dtype ("int64" / "float32") and shape."""
+
+    def __init__(self, data: Sequence, dtype: str = "float32", shape: Sequence[int] | None = None):
+        self._array = np.asarray(data, dtype=np.int64 if dtype == "int64" else np.float32)
+        if shape is not None:
+            self._array = self._array.reshape(list(shape))
+        self.dtype, self.shape = dtype, list(self._array.shape)
+
+    @property
+    def data(self) -> list:
+        return self._array.reshape(-1).tolist()
+
+    @classmethod
+    def from_numpy(cls, array: np.ndarray) -> TensorData:
+        return cls(array, "int64" if np.issubdtype(array.dtype, np.integer) else "float32", array.shape)
+
+    @classmethod
+    def from_torch(cls, tensor: torch.Tensor) -> TensorData:
+        return cls.from_numpy(tensor.detach().cpu().numpy())
+
+    def to_numpy(self) -> np.ndarray:
+        return self._array.copy()
+
+    def to_torch(self) -> torch.Tensor:
+        return torch.from_numpy(self.to_numpy())
+
+    def tolist(self) -> list:
+        return self._array.tolist()
+
+    def __repr__(self) -> str:
+        return f"TensorData(dtype={self.dtype!r}, shape={self.shape})"
+
+
+def _to_tensor_data(key: str, value) -> Any:
+    if hasattr(value, "to_torch") or hasattr(value, "tolist") and not isinstance(value, (torch.Tensor, np.ndarray)):
+        return value
+    if isinstance(value, torch.Tensor):
+        return TensorData.from_torch(value)
+    if isinstance(value, np.ndarray):
+        return TensorData.from_numpy(value)
+    if isinstance(value, (list, tuple)):
+        return TensorData(list(value), _KEY_DTYPE.get(key, "float32"))
+    raise TypeError(f"loss_fn_inputs[{key!r}]: unsupported value of type {type(value).__name__}")
+
+
+@dataclass(frozen=True)
+class Datum:
+    model_input: ModelInput
+    loss_fn_inputs: dict[str, TensorData] = field(default_factory=dict)
+
+    def __post_init__(self):
+        object.__setattr__(self, "loss_fn_inputs",
+                           {k: _to_tensor_data(k, v) for k, v in dict(self.loss_fn_inputs).items()})
+
+
+AdamParams = api_types.AdamParams   # the same names: learning_rate, beta1, beta2, eps, weight_decay, grad_clip_norm
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_tokens: int | None = None
+    seed: int | None = None
+    stop: str | Sequence[str] | Sequence[int] | None = None
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+
+
+@dataclass(frozen=True)
+class SampledSequence:
+    stop_reason: str
+    tokens: list[int]
+    logprobs: list[float] | None = None
+
+
+@dataclass(frozen=True)
+class SampleResponse:
+    sequences: list[SampledSequence]
+    type: str = "sample"
+
+
+@dataclass
+class ForwardBackwardOutput:
+    loss_fn_output_type: str
+    loss_fn_outputs: list[dict[str, TensorData]]
+    metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class OptimStepResponse:
+    metrics: dict[str, float] | None = None
+
+
+@dataclass
+class SaveWeightsResponse:
+    path: str
+    type: str = "save_weights"
+
+
+@dataclass
+class SaveWeightsForSamplerResponse:
+    path: str
+    type: str = "save_weights_for_sampler"
+
+
+@dataclass
+class LoadWeightsResponse:
+    path: str | None = None
+    type: str = "load_weights"
+
+
+types = _pytypes.SimpleNamespace(
+    AdamParams=AdamParams, Datum=Datum, EncodedTextChunk=EncodedTextChunk, ForwardBackwardOutput=ForwardBackwardOutput,
+    LoadWeightsResponse=LoadWeightsResponse, ModelInput=ModelInput, OptimStepResponse=OptimStepResponse,
+    SampledSequence=SampledSequence, SampleResponse=SampleResponse, SamplingParams=SamplingParams,
+    SaveWeightsForSamplerResponse=SaveWeightsForSamplerResponse, SaveWeightsResponse=SaveWeightsResponse,
+    TensorData=TensorData)
+
+
+class APIFuture:
+    """A completed call: `.result(timeout=None)`, `await .result_async()`; awaiting it gives the result too."""
+
+    def __init__(self, value):
+        self._value = value
+
+    def result(self, timeout: float | None = None):
+        return self._value
+
+    async def result_async(self, timeout: float | None = None):
+        return self._value
+
+    def __await__(self):
+        return self.result_async().__await__()
+
+
+# ---------------------------------------------------------------------------------------------- conversion
+
+def _ints(model_input, where: str) -> list[int]:
+    if not hasattr(model_input, "to_ints"):
+        raise TypeError(f"{where}: expected a ModelInput (with to_ints()), got {type(model_input).__name__}")
+    return [int(t) for t in model_input.to_ints()]
+
+
+def _values(value, where: str) -> list:
+    if hasattr(value, "to_torch"):
+        return value.to_torch().reshape(-1).tolist()
+    if hasattr(value, "tolist"):
+        return list(np.asarray(value.tolist()).reshape(-1))
+    return list(value)
+
+
+def data_to_batch(data: Sequence, loss_name: str, pad_id: int) -> TrainBatch:
+    """Tinker Datums -> a TrainBatch: prompt = the first input token, response = target_tokens (each datum's
+    N positions), so row i position j is model_input position j predicting target j."""
+    if not isinstance(data, (list, tuple)) or not data:
+        raise ValueError("data: a non-empty list of Datum")
+    prompts, responses, per_key = [], [], {"logprobs": [], "advantages": [], "weights": []}
+    for i, d in enumerate(data):
+        tokens = _ints(getattr(d, "model_input", None), f"data[{i}].model_input")
+        inputs = dict(getattr(d, "loss_fn_inputs", {}) or {})
+        if not tokens:
+            raise ValueError(f"data[{i}].model_input: empty")
+        if "target_tokens" not in inputs:
+            raise ValueError(f"data[{i}].loss_fn_inputs['target_tokens']: missing (required by every loss)")
+        unknown = [k for k in inputs if k not in ("target_tokens", *per_key)]
+        if unknown:
+            raise ValueError(f"data[{i}].loss_fn_inputs{unknown}: not supported here (supported: target_tokens, "
+                             f"{', '.join(per_key)})")
+        targets = [int(t) for t in _values(inputs["target_tokens"], f"data[{i}].target_tokens")]
+        n = len(tokens)
+        for key in ("target_tokens", *per_key):
+            if key in inputs:
+                got = len(targets) if key == "target_tokens" else len(_values(inputs[key], key))
+                if got != n:
+                    raise ValueError(f"data[{i}].loss_fn_inputs[{key!r}]: {got} values but model_input has {n} "
+                                     f"tokens")
+        bad = next((j for j in range(n - 1) if targets[j] != tokens[j + 1]), None)
+        if bad is not None:
+            raise ValueError(f"data[{i}].loss_fn_inputs['target_tokens'][{bad}] = {targets[bad]} but "
+                             f"model_input[{bad + 1}] = {tokens[bad + 1]}: covrl scores the sequence itself, so "
+                             "target_tokens must be model_input shifted by one")
+        prompts.append(tokens[:1])
+        responses.append(targets)
+        for key in per_key:
+            per_key[key].append([float(v) for v in _values(inputs[key], key)] if key in inputs else None)
+    for key, rows in per_key.items():
+        present = [r is not None for r in rows]
+        if any(present) and not all(present):
+            first = present.index(False)
+            raise ValueError(f"data[{first}].loss_fn_inputs[{key!r}]: missing (other datums have it)")
+    spec = API_LOSSES[loss_name]
+    for key, field_name in (("advantages", "advantages"), ("sampler_logprobs", "logprobs")):
+        if key in spec.requires and per_key[field_name][0] is None:
+            raise ValueError(f"data[0].loss_fn_inputs[{field_name!r}]: missing (required by loss_fn {loss_name!r})")
+    lp, adv, w = (per_key[k] if per_key[k][0] is not None else None for k in ("logprobs", "advantages", "weights"))
+    batch = TrainBatch.from_sequences(prompts, responses, sampler_logprobs=lp, advantages=adv, weights=w,
+                                      pad_id=pad_id)
+    if w is None:   # the sampled positions: a non-zero sampler log-prob or advantage (prompt positions have 0)
+        sampled = torch.zeros_like(batch.response_mask)
+        for src in (batch.sampler_logprobs, batch.advantages):
+            if src is not None:
+                sampled = torch.maximum(sampled, (src != 0).float())
+        if lp is None and adv is None:
+            sampled = batch.response_mask.clone()
+        batch = TrainBatch(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask,
+                           batch.sampler_logprobs, batch.advantages, None, sampled * batch.response_mask)
+    return batch
+
+
+def _loss_name(loss_fn: str) -> str:
+    name = _TINKER_NAMES.get(loss_fn, loss_fn)
+    if name not in API_LOSSES:
+        allowed = sorted({*(n for n in API_LOSSES if not n.startswith("tinker_")), *_TINKER_NAMES})
+        raise ValueError(f"loss_fn: unknown loss {loss_fn!r}; allowed: {', '.join(allowed)}")
+    return name
+
+
+def _adam(params) -> AdamParams:
+    if params is None:
+        return AdamParams()
+    if isinstance(params, AdamParams):
+        return params
+    fields = ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm")
+    return AdamParams(**{f: getattr(params, f) for f in fields if hasattr(params, f)})
+
+
+def _sampling(params) -> api_types.SamplingParams:
+    if params is None:
+        return api_types.SamplingParams()
+    get = lambda name: getattr(params, name, None)  # noqa: E731 - also reads the SDK's own SamplingParams
+    stop = get("stop")
+    if isinstance(stop, str) or (isinstance(stop, (list, tuple)) and any(isinstance(s, str) for s in stop)):
+        raise ValueError(f"sampling_params.stop: string stop sequences are not supported here (token ids of the "
+                         f"model's EOS are), got {stop!r}")
+    return api_types.SamplingParams(max_tokens=get("max_tokens"), temperature=get("temperature"),
+                                    top_k=get("top_k"), top_p=get("top_p"), seed=get("seed"),
+                                    stop=list(stop) if stop else None)
+
+
+def _async(name: str):
+    async def call(self, *args, **kwargs):
+        return getattr(self, name)(*args, **kwargs)
+    call.__name__ = f"{name}_async"
+    call.__doc__ = f"`{name}` for asyncio code (the call runs at once)."
+    return call
+
+
+# ------------------------------------------------------------------------------------------------ clients
+
+class TrainingClient:
+    """Tinker's TrainingClient over a covrl.api.TrainingClient (`.api`)."""
+
+    def __init__(self, api: _ApiTrainingClient, base_model: str):
+        self.api = api
+        self.base_model = base_model
+
+    def get_tokenizer(self):
+        return self.api.tokenizer
+
+    def get_info(self) -> dict[str, Any]:
+        return {"model_name": self.base_model, "version": self.api.version,
+                "lora": hasattr(self.api.model, "peft_config")}
+
+    def _outputs(self, batch: TrainBatch, logprobs: torch.Tensor, token_loss: torch.Tensor | None):
+        outs = []
+        for i in range(len(batch)):
+            n = int(batch.response_mask[i].sum())
+            row = {"logprobs": TensorData.from_torch(logprobs[i, :n].cpu())}
+            if token_loss is not None:
+                row["elementwise_loss"] = TensorData.from_torch(token_loss[i, :n].cpu())
+            outs.append(row)
+        return outs
+
+    def forward_backward(self, data: list, loss_fn: str, loss_fn_config: Mapping[str, float] | None = None
+                         ) -> APIFuture:
+        name = _loss_name(loss_fn)
+        batch = data_to_batch(data, name, self.api.tokenizer.pad_token_id or 0)
+        # Tinker's sums: covrl.math losses named here keep their agg_mode default (token-mean)
+        r = self.api.forward_backward(batch, name, loss_options=dict(loss_fn_config or {}))
+        return APIFuture(ForwardBackwardOutput("ArrayRecord", self._outputs(batch, r.logprobs, r.token_loss),
+                                               dict(r.metrics)))
+
+    def forward(self, data: list, loss_fn: str = "cross_entropy",
+                loss_fn_config: Mapping[str, float] | None = None) -> APIFuture:
+        """Per-token log-probs of the targets (no gradient, no loss)."""
+        batch = data_to_batch(data, _loss_name(loss_fn) if loss_fn != "cross_entropy" else "cross_entropy",
+                              self.api.tokenizer.pad_token_id or 0)
+        f = self.api.forward(batch)
+        return APIFuture(ForwardBackwardOutput("ArrayRecord", self._outputs(batch, f.logprobs, None), {}))
+
+    def forward_backward_custom(self, data: list, loss_fn: Callable) -> APIFuture:
+        """`loss_fn(data, logprobs: list[Tensor (N,)]) -> (loss, metrics)`, as Tinker's custom losses."""
+        batch = data_to_batch(data, "cross_entropy", self.api.tokenizer.pad_token_id or 0)
+        lengths = [int(n) for n in batch.response_mask.sum(1).tolist()]
+
+        def fn(b, logprobs):
+            return loss_fn(data, [logprobs[i, :n] for i, n in enumerate(lengths)])
+
+        r = self.api.forward_backward_custom(batch, fn)
+        return APIFuture(ForwardBackwardOutput("ArrayRecord", self._outputs(batch, r.logprobs, None), dict(r.metrics)))
+
+    def optim_step(self, optim_params=None, *, adam_params=None) -> APIFuture:
+        r = self.api.optim_step(_adam(adam_params if adam_params is not None else optim_params))
+        return APIFuture(OptimStepResponse(metrics=dict(r.metrics)))
+
+    def save_state(self, name: str, ttl_seconds: int | None = None, **_: Any) -> APIFuture:
+        return APIFuture(SaveWeightsResponse(path=str(self.api.save_state(name))))
+
+    def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture:
+        """Weights only (Tinker's meaning); load_state_with_optimizer restores the optimizer too."""
+        self.api.load_state(path, optimizer=False)
+        return APIFuture(LoadWeightsResponse(path=str(path)))
+
+    def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None) -> APIFuture:
+        self.api.load_state(path, optimizer=True)
+        return APIFuture(LoadWeightsResponse(path=str(path)))
+
+    def save_weights_and_get_sampling_client(self, name: str | None = None, **_: Any) -> SamplingClient:
+        return SamplingClient(self.api.save_weights_and_get_sampling_client(name))
+
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None, **_: Any) -> APIFuture:
+        """The weights go to the sampler; the path names that version (`covrl://sampler/<name>@<version>`)."""
+        client = self.api.save_weights_and_get_sampling_client(name)
+        return APIFuture(SaveWeightsForSamplerResponse(path=f"covrl://sampler/{name}@{client.version}"))
+
+    def create_sampling_client(self, model_path: str, **_: Any) -> SamplingClient:
+        if not isinstance(model_path, str) or not model_path.startswith("covrl://sampler/") or "@" not in model_path:
+            raise ValueError(f"model_path: expected a path from save_weights_for_sampler, got {model_path!r}")
+        version = int(model_path.rsplit("@", 1)[1])
+        client = _ApiSamplingClient(self.api, version, model_path)
+        client._check_fresh()
+        return SamplingClient(client)
+
+    forward_async = _async("forward")
+    forward_backward_async = _async("forward_backward")
+    forward_backward_custom_async = _async("forward_backward_custom")
+    optim_step_async = _async("optim_step")
+    save_state_async = _async("save_state")
+    load_state_async = _async("load_state")
+    load_state_with_optimizer_async = _async("load_state_with_optimizer")
+    save_weights_for_sampler_async = _async("save_weights_for_sampler")
+    save_weights_and_get_sampling_client_async = _async("save_weights_and_get_sampling_client")
+    create_sampling_client_async = _async("create_sampling_client")
+
+
+class SamplingClient:
+    """Tinker's SamplingClient over a covrl.api.SamplingClient (`.api`, bound to one weights version)."""
+
+    def __init__(self, api: _ApiSamplingClient):
+        self.api = api
+
+    def result(self, timeout: float | None = None) -> SamplingClient:   # the SDK's "backcompat future" use
+        return self
+
+    def get_tokenizer(self):
+        return self.api.get_tokenizer()
+
+    def sample(self, prompt, num_samples: int, sampling_params=None, include_prompt_logprobs: bool = False,
+               topk_prompt_logprobs: int = 0, topk_sample_logprobs: int = 0, **unsupported: Any) -> APIFuture:
+        if include_prompt_logprobs or topk_prompt_logprobs or topk_sample_logprobs:
+            raise ValueError("include_prompt_logprobs / topk_prompt_logprobs / topk_sample_logprobs: not supported "
+                             "here (use compute_logprobs for the prompt's log-probs)")
+        given = [k for k, v in unsupported.items() if v not in (None, 0, False)]
+        if given:
+            raise ValueError(f"{given}: not supported here")
+        r = self.api.sample(_ints(prompt, "prompt"), num_samples, _sampling(sampling_params))
+        return APIFuture(SampleResponse([SampledSequence(s.stop_reason, s.tokens, s.logprobs)
+                                         for s in r.sequences]))
+
+    def compute_logprobs(self, prompt, prompt_logprobs_last_n: int | None = None) -> APIFuture:
+        """log p of each prompt token given the ones before (None for the first), at temperature 1."""
+        self.api._check_fresh()
+        tokens = _ints(prompt, "prompt")
+        if len(tokens) < 2:
+            return APIFuture([None] * len(tokens))
+        owner = self.api.owner
+        batch = TrainBatch.from_sequences([tokens[:1]], [tokens[1:]])
+        temperature, owner.temperature = owner.temperature, 1.0
+        try:
+            lp = owner.forward(batch).logprobs[0].tolist()
+        finally:
+            owner.temperature = temperature
+        return APIFuture([None, *lp])
+
+    sample_async = _async("sample")
+    compute_logprobs_async = _async("compute_logprobs")
+
+
+class ServiceClient:
+    """Creates the clients. `config` (covrl addition): the covrl config or preset the models come from (task,
+    sampler, warm-up, seed); `overrides` dotted overrides of it. No network, no API key."""
+
+    def __init__(self, config="tiny", overrides: Mapping[str, Any] | None = None, *, warmup: bool = True,
+                 state_dir: str | None = None, **_: Any):
+        self.config = resolve_config(config, overrides)
+        self.warmup = warmup
+        self.state_dir = state_dir
+
+    def _model_section(self, base_model: str) -> dict[str, Any]:
+        if base_model in ("tiny", "smollm2") or "smollm2-135m" in base_model.lower():
+            return {"source": "smollm2" if base_model != "tiny" else "tiny", "path": None}
+        return {"source": "hf", "path": base_model}
+
+    def _client(self, base_model: str, lora: LoraConfig | None, seed: int | None) -> TrainingClient:
+        if not isinstance(base_model, str) or not base_model:
+            raise ValueError(f"base_model: a model name is needed, got {base_model!r}")
+        model = self.config.model.model_copy(update={**self._model_section(base_model), "lora": lora})
+        run = self.config.run if seed is None else self.config.run.model_copy(update={"seed": int(seed)})
+        cfg = self.config.model_copy(update={"model": model, "run": run})
+        return TrainingClient(_ApiTrainingClient.from_config(cfg, warmup=self.warmup, lora_after_warmup=True,
+                                                             state_dir=self.state_dir),
+                              base_model)
+
+    def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
+                                    train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
+                                    **_: Any) -> TrainingClient:
+        """LoRA adapters of `rank` on the attention and/or MLP projections (covrl's LoRA adapts linear
+        layers: `train_unembed` is accepted and has no effect)."""
+        targets = (_ATTN if train_attn else []) + (_MLP if train_mlp else [])
+        if not targets:
+            raise ValueError("train_mlp / train_attn: at least one of them must be True")
+        return self._client(base_model, LoraConfig(rank=rank, target_modules=targets), seed)
+
+    def create_training_client(self, base_model: str, seed: int | None = None) -> TrainingClient:
+        """covrl addition: a full fine-tune of `base_model` (every weight trained)."""
+        return self._client(base_model, None, seed)
+
+    def get_server_capabilities(self) -> dict[str, Any]:
+        return {"supported_models": ["tiny", "smollm2", "HuggingFaceTB/SmolLM2-135M-Instruct",
+                                     "<a local transformers folder>"],
+                "loss_fns": sorted({*(n for n in API_LOSSES if not n.startswith("tinker_")), *_TINKER_NAMES})}
+
+    create_lora_training_client_async = _async("create_lora_training_client")
+    create_training_client_async = _async("create_training_client")
+
+
+__all__ = ["APIFuture", "AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "LoadWeightsResponse",
+           "ModelInput", "OptimStepResponse", "SampleResponse", "SampledSequence", "SamplingClient",
+           "SamplingParams", "SaveWeightsForSamplerResponse", "SaveWeightsResponse", "ServiceClient",
+           "StaleSamplingClientError", "TensorData", "TrainingClient", "data_to_batch", "types"]

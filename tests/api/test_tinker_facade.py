@@ -1,0 +1,149 @@
+"""The Tinker facade: a cookbook-style loop runs 2 steps (with covrl's copies of Tinker's types, and with the
+SDK's own `tinker.types` objects when the package is importable), its names match the SDK's, and bad Datums
+raise errors naming the field."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from api_helpers import SMALL, tinker_sdk
+
+import covrl.api.tinker as facade
+
+ROOT = Path(__file__).resolve().parents[2]
+SDK = tinker_sdk()
+
+
+def rl_steps(service_client, T, steps=2, loss_fn="importance_sampling"):
+    """sample groups -> centred rewards -> Datums -> forward_backward -> optim_step, Tinker's calls only."""
+    training_client = service_client.create_lora_training_client(base_model="tiny", rank=8)
+    tokenizer = training_client.get_tokenizer()
+    task = training_client.api.task
+    params = T.SamplingParams(max_tokens=4, temperature=1.0)
+    out = []
+    for step in range(steps):
+        sampling_client = training_client.save_weights_and_get_sampling_client(name=f"{step:06d}")
+        datums = []
+        for ex in task.train[step * 4: step * 4 + 4]:
+            prompt = task.encode(tokenizer, ex)
+            res = sampling_client.sample(prompt=T.ModelInput.from_ints(prompt), num_samples=4,
+                                         sampling_params=params).result()
+            rewards = [float(i % 2) for i in range(4)]    # a fixed contrast: the loop, not the task, is tested
+            for seq, r in zip(res.sequences, rewards):
+                tokens, ob = prompt + seq.tokens, len(prompt) - 1
+                datums.append(T.Datum(model_input=T.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+                    "target_tokens": tokens[1:], "logprobs": [0.0] * ob + list(seq.logprobs),
+                    "advantages": [0.0] * ob + [r - 0.5] * len(seq.tokens)}))
+        fb = training_client.forward_backward(datums, loss_fn=loss_fn).result()
+        opt = training_client.optim_step(T.AdamParams(learning_rate=1e-3)).result()
+        assert len(fb.loss_fn_outputs) == len(datums)
+        assert len(fb.loss_fn_outputs[0]["logprobs"].tolist()) == datums[0].model_input.length
+        out.append({**fb.metrics, **opt.metrics})
+    return training_client, out
+
+
+def test_cookbook_loop_runs_two_steps(tmp_path):
+    service = facade.ServiceClient(config="tiny", overrides=SMALL, state_dir=str(tmp_path))
+    client, metrics = rl_steps(service, facade.types)
+    assert client.api.version == 2
+    for m in metrics:
+        assert m["skipped"] == 0.0 and m["grad_norm"] > 0 and "mismatch/k3" in m and "loss:sum" in m
+        assert m["mismatch/k3"] < 1e-6      # the sampler shares the trainer's weights: on-policy
+    path = client.save_state("after-2").result().path
+    client.load_state_with_optimizer(path).result()
+    assert client.api.version == 2
+
+
+@pytest.mark.skipif(SDK is None, reason="the tinker SDK is not importable (set COVRL_TINKER_SITE)")
+def test_cookbook_loop_with_the_sdks_own_types(tmp_path):
+    from tinker import types as sdk_types
+
+    service = facade.ServiceClient(config="tiny", overrides=SMALL, state_dir=str(tmp_path))
+    client, metrics = rl_steps(service, sdk_types)
+    assert client.api.version == 2 and all(m["grad_norm"] > 0 for m in metrics)
+
+
+@pytest.mark.skipif(SDK is None, reason="the tinker SDK is not importable (set COVRL_TINKER_SITE)")
+def test_names_match_the_sdk():
+    covered = {
+        "ServiceClient": ["create_lora_training_client"],
+        "TrainingClient": ["forward", "forward_backward", "forward_backward_custom", "optim_step", "save_state",
+                           "load_state", "load_state_with_optimizer", "save_weights_and_get_sampling_client",
+                           "save_weights_for_sampler", "create_sampling_client", "get_tokenizer"],
+        "SamplingClient": ["sample", "compute_logprobs", "get_tokenizer"],
+    }
+    for cls, methods in covered.items():
+        for name in methods:
+            for variant in (name, f"{name}_async"):
+                if not hasattr(getattr(SDK, cls), variant):
+                    continue
+                mine = getattr(getattr(facade, cls), variant)
+                sdk_params = [p for p in inspect.signature(getattr(getattr(SDK, cls), variant)).parameters
+                              if p != "self"]
+                ours = inspect.signature(mine).parameters
+                if "args" in ours:          # the *_async wrappers forward everything
+                    continue
+                first = [p for p in sdk_params if inspect.signature(getattr(getattr(SDK, cls), variant))
+                         .parameters[p].default is inspect.Parameter.empty]
+                assert all(p in ours for p in first), (cls, variant, first, list(ours))
+    for field in ("learning_rate", "beta1", "beta2", "eps", "weight_decay", "grad_clip_norm"):
+        assert getattr(SDK.AdamParams(), field) == getattr(facade.AdamParams(), field), field
+    for field in ("max_tokens", "seed", "stop", "temperature", "top_k", "top_p"):
+        assert hasattr(facade.SamplingParams(), field) and field in SDK.SamplingParams.model_fields
+
+
+def test_the_example_runs(tmp_path):
+    spec = importlib.util.spec_from_file_location("tinker_rl_loop", ROOT / "examples" / "tinker_rl_loop.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["tinker_rl_loop"] = module
+    spec.loader.exec_module(module)
+    r = module.main(steps=2, batch_size=4, group_size=4, overrides={**SMALL, "sft_warmup.steps": 10,
+                                                                    "run.output_dir": str(tmp_path)},
+                    log=lambda *_: None)
+    assert len(r["history"]) == 2
+
+
+# ------------------------------------------------------------------------------------------- bad inputs
+
+def datum(tokens, **inputs):
+    return facade.Datum(model_input=facade.ModelInput.from_ints(tokens[:-1]),
+                        loss_fn_inputs={"target_tokens": tokens[1:], **inputs})
+
+
+@pytest.mark.parametrize("data,loss,match", [
+    ([datum([1, 2, 3], advantages=[0.0, 1.0, 2.0], logprobs=[0.0, -1.0])], "importance_sampling",
+     r"data\[0\].loss_fn_inputs\['advantages'\]: 3 values but model_input has 2"),
+    ([datum([1, 2, 3], advantages=[0.0, 1.0])], "importance_sampling",
+     r"loss_fn_inputs\['logprobs'\]: missing \(required by loss_fn 'importance_sampling'\)"),
+    ([facade.Datum(model_input=facade.ModelInput.from_ints([1, 2]), loss_fn_inputs={})], "cross_entropy",
+     r"data\[0\].loss_fn_inputs\['target_tokens'\]: missing"),
+    ([facade.Datum(model_input=facade.ModelInput.from_ints([1, 2]), loss_fn_inputs={"target_tokens": [5, 6]})],
+     "cross_entropy", r"target_tokens'\]\[0\] = 5 but model_input\[1\] = 2"),
+    ([datum([1, 2, 3], weights=[1.0, 1.0]), datum([1, 2, 3])], "cross_entropy",
+     r"data\[1\].loss_fn_inputs\['weights'\]: missing"),
+    ([datum([1, 2, 3], mask=[1.0, 1.0])], "cross_entropy", r"loss_fn_inputs\['mask'\]: not supported"),
+    ([datum([1, 2, 3])], "nope", "loss_fn: unknown loss 'nope'"),
+    ([], "cross_entropy", "data: a non-empty list"),
+])
+def test_bad_datums_name_the_field(tmp_path, data, loss, match):
+    service = facade.ServiceClient(config="tiny", overrides=SMALL, state_dir=str(tmp_path))
+    client = service.create_training_client(base_model="tiny")
+    with pytest.raises(ValueError, match=match):
+        client.forward_backward(data, loss_fn=loss)
+
+
+def test_cross_entropy_matches_summed_logprobs(tmp_path):
+    service = facade.ServiceClient(config="tiny", overrides=SMALL, state_dir=str(tmp_path))
+    client = service.create_training_client(base_model="tiny")
+    tokens = [3, 5, 7, 9, 4]
+    fb = client.forward_backward([datum(tokens, weights=[0.0, 1.0, 1.0, 1.0])], "cross_entropy").result()
+    lp = torch.tensor(fb.loss_fn_outputs[0]["logprobs"].tolist())
+    assert abs(fb.metrics["loss:sum"] + float(lp[1:].sum())) < 1e-5
+    logprobs = client.save_weights_and_get_sampling_client().compute_logprobs(
+        facade.ModelInput.from_ints(tokens)).result()
+    assert logprobs[0] is None and torch.allclose(torch.tensor(logprobs[1:]), lp, atol=1e-6)
