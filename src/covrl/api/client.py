@@ -38,7 +38,7 @@ from covrl.api.types import (
 from covrl.config import load_config
 from covrl.math import CorrectionConfig, aggregate, rollout_correction
 from covrl.models import forward_response, load_model
-from covrl.models.loading import _apply_lora as apply_lora  # the adapters load_model adds
+from covrl.models.loading import apply_lora  # the adapters load_model adds
 from covrl.rollout.sampler import SamplerConfig, build_sampler
 from covrl.tasks import build_task
 from covrl.train import checkpoint as ckpt
@@ -46,6 +46,7 @@ from covrl.train.config import TrainConfig
 from covrl.train.data import DataStream
 from covrl.train.run import resolve_device, seed_everything
 from covrl.train.sft import sft_warmup
+from covrl.train.trainer import fold_micro_metrics
 
 STATE_KEY = "api"
 
@@ -242,8 +243,7 @@ class TrainingClient:
             chunk = dict(out.metrics)
             if spec.family == "covrl.math":
                 chunk["loss/policy"] = float(loss.detach())
-            for k, v in chunk.items():   # token-share average of the micro-batches' metrics, as the trainer's
-                metrics[k] = metrics.get(k, 0.0) + share * v
+            fold_micro_metrics(metrics, chunk, share, share == 0.0)   # as the trainer folds its micro-batches
         metrics["loss"] = loss_total
         if spec.family == "tinker":
             metrics["loss:sum"] = loss_total

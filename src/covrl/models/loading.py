@@ -112,7 +112,7 @@ def load_model(cfg: ModelConfig, *, seed: int = 0):
             tok.pad_token = tok.eos_token
         tok.padding_side = "left"
         if cfg.lora is not None:
-            model = _apply_lora(model, cfg.lora)
+            model = apply_lora(model, cfg.lora)
     if cfg.gradient_checkpointing:
         # transformers 5 renamed the method; keep both spellings working.
         if hasattr(model, "activation_checkpointing_enable"):
@@ -124,7 +124,7 @@ def load_model(cfg: ModelConfig, *, seed: int = 0):
     return model, tok
 
 
-def _apply_lora(model, lora: LoraConfig):
+def apply_lora(model, lora: LoraConfig):
     from peft import LoraConfig, get_peft_model
 
     present = {name.rsplit(".", 1)[-1] for name, _ in model.named_modules()}

@@ -303,7 +303,7 @@ class Trainer:
             fault_point("backward")  # reliability tests: COVRL_FAULT (no-op otherwise)
             loss_total += 0.0 if idle else float(loss.detach())
             share = 0.0 if idle else float(mb.response_mask.sum()) / float(mask.sum())   # idle: keys, no weight
-            _accumulate(loss_metrics, mb_metrics, share, idle or share == 0.0)   # no tokens: no extremes
+            fold_micro_metrics(loss_metrics, mb_metrics, share, idle or share == 0.0)   # no tokens: no extremes
         if par is not None:
             loss_total, bad, loss_metrics = self._reduce_pieces(par, [full_lp, full_ent, full_sps], pieces,
                                                                 loss_total, bad, loss_metrics)
@@ -600,7 +600,7 @@ def batch_metrics(batch: ScoredBatch) -> dict[str, float]:
 _LOSS_PARTS = ("loss/policy", "loss/score_centering", "loss/kl")
 
 
-def _accumulate(total: dict[str, float], mb_metrics: dict[str, float], share: float, idle: bool) -> None:
+def fold_micro_metrics(total: dict[str, float], mb_metrics: dict[str, float], share: float, idle: bool) -> None:
     """Fold a micro-batch's loss metrics into the step's: the loss parts (already this micro-batch's share of
     the full-batch loss) add up, *_max / *_min take the extreme, the other means weigh by the token share. An
     idle micro-batch adds its keys only."""
