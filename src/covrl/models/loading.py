@@ -188,3 +188,20 @@ def merge_lora_state_dict(state: dict, plan: dict[str, float], adapter: str = "d
         base = merged[f"{path}.weight"]
         merged[f"{path}.weight"] = base + (b.to(base.dtype) @ a.to(base.dtype)) * scaling
     return merged
+
+
+def pad_and_stop_ids(tokenizer, model) -> tuple[int, list[int]]:
+    """The padding id (the eos token when there is no pad token) and every id that ends a response: the
+    tokenizer's eos and the model's generation-config eos (chat models often stop on an end-of-turn token)."""
+    pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
+    if pad is None:
+        raise ValueError("tokenizer has neither a pad nor an eos token")
+    eos = set()
+    if tokenizer.eos_token_id is not None:
+        eos.add(int(tokenizer.eos_token_id))
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    if gen_eos is not None:
+        eos.update(int(e) for e in ([gen_eos] if isinstance(gen_eos, int) else gen_eos))
+    if not eos:
+        raise ValueError("tokenizer has no eos token: the sampler cannot stop responses")
+    return int(pad), sorted(eos)

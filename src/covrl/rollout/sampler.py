@@ -32,7 +32,7 @@ import torch
 from pydantic import Field, field_validator
 
 from covrl.models.forward import cache_argument, output_cache
-from covrl.models.loading import lora_merge_plan, merge_lora_state_dict
+from covrl.models.loading import lora_merge_plan, merge_lora_state_dict, pad_and_stop_ids
 from covrl.rollout.types import TOPK_LOGPROB_FLOOR, RolloutBatch, RolloutTiming  # noqa: F401 - re-exported
 from covrl.rollout.vllm import VLLM_EXTRA_HINT, VLLMEngineConfig, build_vllm_sampler, vllm_available
 from covrl.settings import Section
@@ -156,19 +156,7 @@ class HFSampler:
             self.module.eval()
             for p in self.module.parameters():
                 p.requires_grad_(False)
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if pad is None:
-            raise ValueError("tokenizer has neither a pad nor an eos token")
-        self.pad_id = int(pad)
-        eos = set()
-        if tokenizer.eos_token_id is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        if gen_eos is not None:
-            eos.update(int(e) for e in ([gen_eos] if isinstance(gen_eos, int) else gen_eos))
-        if not eos:
-            raise ValueError("tokenizer has no eos token: the sampler cannot stop responses")
-        self.eos_ids = sorted(eos)
+        self.pad_id, self.eos_ids = pad_and_stop_ids(tokenizer, model)
         self.version = 0
         self._cache_kwarg = cache_argument()
         # Positions past the model's trained context would run through RoPE extrapolation silently.

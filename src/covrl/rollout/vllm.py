@@ -48,7 +48,7 @@ import torch
 from pydantic import Field
 
 from covrl._lazy import require
-from covrl.models.loading import lora_merge_plan, merge_lora_state_dict
+from covrl.models.loading import lora_merge_plan, merge_lora_state_dict, pad_and_stop_ids
 from covrl.rollout.types import TOPK_LOGPROB_FLOOR, RolloutBatch, RolloutTiming
 from covrl.settings import Section
 from covrl.tasks.task import PromptTooLongError
@@ -169,19 +169,7 @@ class VLLMSampler:
         self.vcfg: VLLMEngineConfig = cfg.vllm
         self.tokenizer = tokenizer
         self.dtype = cfg.dtype or _DTYPE_NAMES[_model_dtype(model)]
-        pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
-        if pad is None:
-            raise ValueError("tokenizer has neither a pad nor an eos token")
-        self.pad_id = int(pad)
-        eos = set()
-        if tokenizer.eos_token_id is not None:
-            eos.add(int(tokenizer.eos_token_id))
-        gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
-        if gen_eos is not None:
-            eos.update(int(e) for e in ([gen_eos] if isinstance(gen_eos, int) else gen_eos))
-        if not eos:
-            raise ValueError("tokenizer has no eos token: the sampler cannot stop responses")
-        self.eos_ids = sorted(eos)
+        self.pad_id, self.eos_ids = pad_and_stop_ids(tokenizer, model)
         self.context = getattr(getattr(_base_model(model), "config", None), "max_position_embeddings", None)
         self._lora_plan = lora_merge_plan(model)
         self._lora_adapter = getattr(model, "active_adapter", "default")

@@ -114,6 +114,21 @@ class AsyncState:
         if failure is not None:
             raise failure
 
+    def take_when_ready(self, trainer_version: int, worker: threading.Thread, what: str) -> TakeResult:
+        """The trainer's side of the queue: wait until the next batch is complete, then take it; raise if a
+        worker failed or `worker` (the thread that fills the queue) stopped. The wait counts as trainer idle."""
+        t0 = time.perf_counter()
+        with self.cond:
+            while not self.manager.ready(trainer_version):
+                self.raise_if_failed()
+                if not worker.is_alive():
+                    raise RuntimeError(f"{what} stopped")
+                self.cond.wait(timeout=1.0)
+            res = self.manager.take(trainer_version)
+            self.cond.notify_all()
+        self.trainer_idle_s += time.perf_counter() - t0
+        return res
+
 
 def clone_weights(model) -> dict[str, torch.Tensor]:
     """A snapshot of the trainer's weights that later optimizer steps do not modify."""
@@ -312,17 +327,7 @@ class ThreadPool(_LocalWorkerMixin):
 
     def next_batch(self, trainer_version: int) -> TakeResult:
         st = self.state
-        t0 = time.perf_counter()
-        with st.cond:
-            while not st.manager.ready(trainer_version):
-                st.raise_if_failed()
-                if not self.thread.is_alive():
-                    raise RuntimeError("the sampler thread stopped")
-                st.cond.wait(timeout=1.0)
-            res = st.manager.take(trainer_version)
-            st.cond.notify_all()
-        st.trainer_idle_s += time.perf_counter() - t0
-        return res
+        return st.take_when_ready(trainer_version, self.thread, "the sampler thread")
 
     def evaluate(self, label: str):
         """Evaluate the trainer's current weights: the sampler is paused and synced first (as the sync loop

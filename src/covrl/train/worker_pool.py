@@ -233,18 +233,7 @@ class DispatchPool:
             st.fail(err)
 
     def next_batch(self, trainer_version: int):
-        st = self.state
-        t0 = time.perf_counter()
-        with st.cond:
-            while not st.manager.ready(trainer_version):
-                st.raise_if_failed()
-                if not self.thread.is_alive():
-                    raise RuntimeError(f"the {self.name} dispatcher stopped")
-                st.cond.wait(timeout=1.0)
-            res = st.manager.take(trainer_version)
-            st.cond.notify_all()
-        st.trainer_idle_s += time.perf_counter() - t0
-        return res
+        return self.state.take_when_ready(trainer_version, self.thread, f"the {self.name} dispatcher")
 
     def evaluate(self, label: str):
         """Evaluation runs on the trainer side's own sampler (synced to the trainer's weights first)."""
