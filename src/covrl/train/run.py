@@ -239,6 +239,8 @@ class Run:
             "eval_before": brief(before), "eval_after": brief(after),
             "final_metrics_last5": final, "sft": self.sft_metrics or None,
             "versions": versions(), "git": git_info(), "seed": self.cfg.run.seed,
+            # results depend on the thread count (float summation order): part of what reproduces a run
+            "torch_threads": torch.get_num_threads(),
             "config": "config.yaml",
         }
 
