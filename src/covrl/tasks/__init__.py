@@ -2,7 +2,7 @@
 
 from covrl.tasks.base import Example, RewardOutput
 from covrl.tasks.config import ArithmeticConfig, EnvironmentConfig, LettersConfig, TaskConfig
-from covrl.tasks.environments import ENVIRONMENTS, EnvStep, Environment, build_environment
+from covrl.tasks.environments import ENVIRONMENTS, Environment, EnvStep, build_environment
 from covrl.tasks.registry import TASKS, get_builder
 from covrl.tasks.rewards import REWARDS, RewardFunctionError, load_user_reward, parse_last_number
 from covrl.tasks.task import PromptTooLongError, Task
