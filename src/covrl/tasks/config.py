@@ -37,6 +37,19 @@ class LettersConfig(Section):
 Signature = Literal["auto", "covrl", "trl"]
 
 
+class EnvironmentConfig(Section):
+    """Multi-turn episodes (covrl.tasks.environments; docs/environments.md). No name = single-turn rollouts."""
+
+    name: str | None = Field(None, description="environment registry name (single_turn, calculator, add) or a "
+                             "user class 'module:Class' / 'file.py:Class' (an Environment, or a TRL "
+                             "environment_factory object); None = ordinary single-turn rollouts")
+    max_turns: int = Field(4, ge=1, le=256, description="assistant turns per episode at most")
+    max_tool_calls: int = Field(4, ge=0, le=1024, description="tool calls per episode at most (a message after "
+                                "the limit is the final answer)")
+    tool_timeout_s: float | None = Field(5.0, gt=0, le=86400.0, description="per-call timeout of a tool "
+                                         "(thread-isolated like user rewards; None = no timeout)")
+
+
 class RewardTermConfig(Section):
     """One weighted term of `task.rewards`: the run's reward is Σ weight·fn(...), each term logged."""
 
@@ -67,6 +80,8 @@ class TaskConfig(Section):
                       "sort_letters, jsonl (path = a .jsonl file), hf_dataset (path = a local datasets folder)")
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig, description="arithmetic options")
     letters: LettersConfig = Field(default_factory=LettersConfig, description="count/sort letters options")
+    env: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="multi-turn episodes with "
+                                   "tools (env.name set) instead of single-turn completions")
     path: str | None = Field(None, description="data file/folder for jsonl / hf_dataset tasks")
     eval_path: str | None = Field(None, description="separate eval file/folder (else n_eval rows split off)")
     prompt_field: str = Field("prompt", min_length=1, description="record field holding the prompt")

@@ -331,6 +331,11 @@ class RewardRunner:
             self._process.kill()
             self._process = None
 
+    def call(self, *args, **kwargs):
+        """One isolated call returning the raw value; a failure or timeout raises (tools of
+        covrl.tasks.tools run through this)."""
+        return self._call(*args, **kwargs)
+
     def _call(self, *args, **kwargs):
         if self.process_spec is not None:
             return self._call_process(args, kwargs)

@@ -41,6 +41,8 @@ class Task:
         self._grader = resolve_reward(self.grader_name)
         self._cache: dict[tuple[int, str], list[int]] = {}
         self.num_truncated = 0
+        # factory of a fresh Environment per episode (covrl.tasks.environments), set when task.env.name is
+        self.environment = None
 
     def _runner(self, spec: str, name: str, signature: str, *, user: bool) -> RewardRunner:
         cfg = self.cfg

@@ -7,6 +7,7 @@ from typing import Any
 
 import torch
 
+from covrl.rollout.episodes import generate_episodes, score_episodes
 from covrl.rollout.text import decode_responses
 from covrl.rollout.types import RolloutBatch
 
@@ -26,6 +27,24 @@ def _score(task, tokenizer, batch: RolloutBatch, examples: list) -> dict[str, An
     }
 
 
+def _score_episodes(sampler, task, tokenizer, examples: list, gen: torch.Generator, greedy: bool) -> dict[str, Any]:
+    """Held-out episodes (one per prompt): accuracy plus the tool-call rate and turns."""
+    episodes = generate_episodes(sampler, tokenizer, task.environment, examples, 1, generator=gen, greedy=greedy,
+                                 chat_template=task.cfg.chat_template, max_turns=task.cfg.env.max_turns)
+    scored = score_episodes(task, tokenizer, episodes, examples, 1)
+    n = max(len(examples), 1)
+    m = scored.task_metrics
+    return {
+        "accuracy": sum(bool(c) for c in scored.correct) / n,
+        "reward_mean": float(scored.rewards.mean()),
+        "length_mean": float(scored.train_mask.sum(1).float().mean()),
+        "tool_call_rate": m["task/tool_call_rate"], "tool_calls": m["task/tool_calls"], "turns": m["task/turns"],
+        "n": len(examples),
+        "examples": [{"prompt": ex.prompt, "answer": ex.answer, "episode": t, "correct": bool(c)}
+                     for ex, t, c in list(zip(examples, scored.texts, scored.correct))[:5]],
+    }
+
+
 def evaluate(sampler, task, tokenizer, examples: list, *, seed: int, greedy: bool = True,
              sampled: bool = True) -> dict[str, Any]:
     """Accuracy on `examples` (the task's held-out prompts): greedy decoding and/or one sample per prompt at
@@ -33,7 +52,8 @@ def evaluate(sampler, task, tokenizer, examples: list, *, seed: int, greedy: boo
     RNG). Settings are recorded with the results."""
     if not examples:
         raise ValueError("evaluation needs held-out prompts: task.n_eval is 0 or the eval file is empty")
-    prompts = [task.encode(tokenizer, ex) for ex in examples]
+    env = getattr(task, "environment", None)
+    prompts = [task.encode(tokenizer, ex) for ex in examples] if env is None else []
     scfg = getattr(sampler, "cfg", None)
     out: dict[str, Any] = {"settings": {
         "n_prompts": len(examples),
@@ -48,6 +68,9 @@ def evaluate(sampler, task, tokenizer, examples: list, *, seed: int, greedy: boo
         modes.append(("sampled", False))
     for name, is_greedy in modes:
         gen = torch.Generator().manual_seed(int(seed))
+        if env is not None:
+            out[name] = _score_episodes(sampler, task, tokenizer, examples, gen, is_greedy)
+            continue
         batch = sampler.generate(prompts, 1, generator=gen, greedy=is_greedy)
         out[name] = _score(task, tokenizer, batch, examples)
     out["seconds"] = time.perf_counter() - t0

@@ -17,12 +17,13 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from covrl.rollout.episodes import generate_episodes, score_episodes
 from covrl.rollout.text import decode_responses
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.faults import fault_point
 from covrl.train.results import StepResult
 
-__all__ = ["RolloutSource", "SourceBatch", "SyncSource", "score_rollouts"]
+__all__ = ["EpisodeSource", "RolloutSource", "SourceBatch", "SyncSource", "score_rollouts", "sync_source"]
 
 
 @dataclass(frozen=True)
@@ -124,3 +125,26 @@ class SyncSource:
 
     def summary(self) -> dict[str, Any]:
         return {}
+
+
+class EpisodeSource(SyncSource):
+    """SyncSource for a task with an environment (`task.env.name`): `loop.group_size` multi-turn episodes per
+    prompt through the run's sampler (covrl.rollout.episodes), scored by the environment or the task."""
+
+    def next_batch(self, trainer_version: int) -> SourceBatch:
+        run = self.run
+        lcfg = run.cfg.loop
+        examples, positions = run.stream.take(lcfg.prompts_per_step)
+        episodes = generate_episodes(run.sampler, run.tokenizer, run.task.environment, examples, lcfg.group_size,
+                                     generator=run.generator, chat_template=run.cfg.task.chat_template,
+                                     max_turns=run.cfg.task.env.max_turns, policy_version=trainer_version)
+        fault_point("generate")
+        scored = score_episodes(run.task, run.tokenizer, episodes, examples, lcfg.group_size)
+        scored = replace(scored, prompt_index=torch.tensor(positions, dtype=torch.long).repeat_interleave(
+            lcfg.group_size))
+        return SourceBatch(scored, examples=tuple(examples))
+
+
+def sync_source(run) -> SyncSource:
+    """The in-process source for the run's task: episodes when it has an environment, else completions."""
+    return EpisodeSource(run) if getattr(run.task, "environment", None) is not None else SyncSource(run)
