@@ -20,7 +20,7 @@ from covrl.tasks.environments import EnvStep  # noqa: E402
 from covrl.train.loop import run_loop  # noqa: E402
 from covrl.train.run import prepare_run  # noqa: E402
 from covrl.train.sinks import read_jsonl  # noqa: E402
-from covrl.train.sources import EpisodeSource, sync_source  # noqa: E402
+from covrl.train.sources import EpisodeSource, build_sync_source  # noqa: E402
 from covrl.train.trainer import forward_response  # noqa: E402
 
 torch.set_num_threads(1)
@@ -118,8 +118,8 @@ def test_episode_tokens_are_the_samplers_across_turns(tmp_path, echo_env):
 def test_tiny_tool_preset_runs_end_to_end(tmp_path, echo_env):
     # the add tool on the tiny char model (plain prompts), 2 RL steps, evaluations with episodes
     run = _run(tmp_path, "add", **{"run.name": "tool", "loop.steps": 2, "algorithm.advantage": "otb_tir"})
-    assert isinstance(sync_source(run), EpisodeSource)
-    summary = run_loop(run, sync_source(run))
+    assert isinstance(build_sync_source(run), EpisodeSource)
+    summary = run_loop(run, build_sync_source(run))
     run.close()
     assert summary["status"] == "completed"
     records = read_jsonl(tmp_path / "tool" / "metrics.jsonl")
@@ -132,7 +132,7 @@ def test_tiny_tool_preset_runs_end_to_end(tmp_path, echo_env):
     run = _run(tmp_path, echo_env, **{"run.name": "echo", "loop.steps": 2, "eval.before": False,
                                       "eval.after": False, "algorithm.advantage": "otb_tir"})
     run.sampler.eos_ids = sorted(set(run.sampler.eos_ids) | set(run.tokenizer("abcdefghijklm")["input_ids"]))
-    run_loop(run, sync_source(run))
+    run_loop(run, build_sync_source(run))
     run.close()
     records = read_jsonl(tmp_path / "echo" / "metrics.jsonl")
     assert all(r["task/turns"] > 1.5 for r in records)
