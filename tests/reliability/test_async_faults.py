@@ -12,6 +12,7 @@ saved with every checkpoint, so a dead process or a dead sampler worker loses no
 from __future__ import annotations
 
 import json
+import time
 from pathlib import Path
 
 import pytest
@@ -131,6 +132,11 @@ def test_killed_sampler_process_is_restarted_and_its_chunk_generated_again(tmp_p
         calls["n"] += 1
         if calls["n"] == 2:
             os.kill(pools[0].procs[0].pid, signal.SIGKILL)
+            # the pool notices on its next dispatch or poll; on a fast trainer the last steps could otherwise be
+            # logged before it does (the restart itself is what this test checks, not its timing)
+            deadline = time.monotonic() + 120
+            while pools[0].restarts == 0 and time.monotonic() < deadline:
+                time.sleep(0.05)
         return real_step(self, batch)
 
     monkeypatch.setattr(worker_pool.ProcessPool, "__init__", init)
