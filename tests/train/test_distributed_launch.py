@@ -1,6 +1,7 @@
-"""`torchrun --nproc-per-node 2 -m covrl train ... trainer.parallel=ddp` end to end on the tiny model: the run
-completes, rank 0 owns the folder, and a checkpoint of the 2-rank run resumes on one process (2 -> 1) to the
-same weights and optimizer state as a straight one-process run."""
+"""`torchrun --nproc-per-node 2 -m covrl train ... trainer.parallel=ddp|fsdp2` end to end on the tiny model: the
+run completes, rank 0 owns the folder, and a checkpoint of the 2-rank run (DDP: the single-file path; FSDP2:
+torch.distributed.checkpoint shards in dcp/) resumes on one process (2 -> 1) to the same weights and optimizer
+state as a straight one-process run."""
 
 from __future__ import annotations
 
@@ -54,21 +55,31 @@ def _final(run_dir: Path):
     return load_file(str(path / "model" / "model.safetensors")), state["optimizer"]["state"], state["rollouts"]
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """A straight one-process run of 3 steps: its final weights, Adam state and data clock."""
+    tmp_path = tmp_path_factory.mktemp("straight")
+    run = _covrl(["--config", str(CONFIG), *OVERRIDES, f"run.output_dir={tmp_path}", "loop.steps=3", "--name",
+                  "one"], ranks=None, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return _final(tmp_path / "one")
+
+
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
-def test_torchrun_ddp_run_resumes_on_one_process(tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_torchrun_run_resumes_on_one_process(tmp_path, straight, mode):
     base = ["--config", str(CONFIG), *OVERRIDES, f"run.output_dir={tmp_path}"]
-    two = _covrl([*base, "loop.steps=2", "trainer.parallel=ddp", "--name", "two"], ranks=2, cwd=tmp_path)
+    two = _covrl([*base, "loop.steps=2", f"trainer.parallel={mode}", "--name", "two"], ranks=2, cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("run folder:") == 1    # only rank 0 speaks
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 2
+    assert (ckpt.latest_checkpoint(tmp_path / "two") / ckpt.DCP_DIR).is_dir() == (mode == "fsdp2")
     resumed = _covrl(["--resume", "--name", str(tmp_path / "two"), "loop.steps=3", "trainer.parallel=none"],
                      ranks=None, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    straight = _covrl([*base, "loop.steps=3", "--name", "one"], ranks=None, cwd=tmp_path)
-    assert straight.returncode == 0, straight.stderr[-3000:]
     w2, opt2, r2 = _final(tmp_path / "two")
-    w1, opt1, r1 = _final(tmp_path / "one")
+    w1, opt1, r1 = straight
     assert r1 == r2 == 48
     weight_diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
     moment_diff = max(float((opt1[i][s] - opt2[i][s]).abs().max()) for i in opt1 for s in ("exp_avg", "exp_avg_sq"))

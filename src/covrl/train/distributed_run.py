@@ -31,9 +31,9 @@ __all__ = ["follow", "train_distributed"]
 def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bool = False) -> int:
     """The exit code of this rank (rank 0: run_training's table; followers: rank 0's code, sent at stop)."""
     fsdp2 = cfg.trainer.parallel == "fsdp2"
-    if fsdp2 and (cfg.loop.mode != "sync" or cfg.checkpoint.at_end or cfg.checkpoint.every_rollouts):
-        raise ValueError("trainer.parallel=fsdp2 runs loop.mode=sync without checkpoints for now (set "
-                         "checkpoint.at_end=false; docs/distributed.md); trainer.parallel=ddp has both")
+    if fsdp2 and cfg.loop.mode != "sync":   # the async sampler thread's weight gather would race the step's collectives
+        raise ValueError("trainer.parallel=fsdp2 runs loop.mode=sync for now (docs/distributed.md); "
+                         "trainer.parallel=ddp runs the async loop too")
     if fsdp2:   # the sampler cannot run the sharded model: it keeps its own copy, fed by a gather
         cfg.sampler.share_weights = "never"
     rank, world = init_process_group(cfg.trainer, cfg.run.device)
@@ -77,6 +77,8 @@ def follow(cfg, channel: Channel) -> int:
             trainer.load_state_dict(payload)
         elif kind == "gather":
             full_model_state(trainer.model)
+        elif kind == "checkpoint":    # rank 0 writes the folder's other files and the COMPLETE marker
+            trainer.save_sharded(payload)
         elif kind == "step":
             try:
                 trainer.step(payload)

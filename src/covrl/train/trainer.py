@@ -38,6 +38,7 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -51,8 +52,17 @@ from covrl.models.forward import forward_response as forward_response_tokens
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.algorithm import Algorithm, bind_algorithm
 from covrl.train.batch_scaling import scaled_lr
+from covrl.train.checkpoint import DCP_DIR, DCP_KEY
 from covrl.train.config import TrainConfig
-from covrl.train.distributed import Parallel, shard_rows
+from covrl.train.distributed import (
+    Parallel,
+    apply_optimizer_state,
+    carry_optimizer_state,
+    full_model_state,
+    load_sharded,
+    save_sharded,
+    shard_rows,
+)
 from covrl.train.faults import fault_point
 from covrl.train.lr_surge import LengthSurgeSchedule
 from covrl.train.results import StepResult
@@ -157,6 +167,7 @@ class Trainer:
         self.noise = GradientNoiseMonitor() if cfg.logging.noise_scale else None
         self.parallel: Parallel | None = None   # wrapped at the first step (a collective: all ranks step)
         self.leader = None    # rank 0 of a run: a Channel that sends each batch to the other ranks
+        self._pending_shards: str | None = None   # fsdp2 resume: a dcp/ folder, loaded once the model is sharded
         if cfg.trainer.parallel != "none":
             if ref_model is not None or cfg.kl.coef > 0:
                 raise ValueError("trainer.parallel with a KL reference (kl.coef > 0) is not supported yet")
@@ -359,14 +370,34 @@ class Trainer:
 
     def _distribute(self) -> None:
         """Wrap the model for trainer.parallel (every rank at its first step; rank 0's weights win)."""
+        fsdp2 = self.cfg.trainer.parallel == "fsdp2"
+        # a resume from a one-process / DDP checkpoint (1 -> N): the plain optimizer's state, by parameter name
+        carried = carry_optimizer_state(self.model, self.optimizer) if fsdp2 and self.optimizer.state else None
         self.parallel = Parallel.wrap(self.model, self.cfg.trainer.parallel)
-        if self.parallel.mode == "fsdp2":   # fully_shard replaced the parameters (DTensor shards)
-            if self.optimizer.state:
-                raise NotImplementedError("trainer.parallel=fsdp2 cannot resume optimizer state yet")
+        if fsdp2:   # fully_shard replaced the parameters (DTensor shards)
             o = self.cfg.optim
             self.params = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                                weight_decay=o.weight_decay)
+            if self._pending_shards is not None:   # each rank reads its own shards of weights and moments
+                load_sharded(self.model, self.optimizer, self._pending_shards, alone=False)
+                self._pending_shards = None
+            elif carried is not None:
+                apply_optimizer_state(self.model, self.optimizer, carried)
+
+    @property
+    def sharded(self) -> bool:
+        """The model is fully_shard-ed: checkpoints go through `save_sharded` (torch.distributed.checkpoint)."""
+        return self.parallel is not None and self.parallel.mode == "fsdp2"
+
+    def save_sharded(self, folder) -> dict[str, torch.Tensor]:
+        """fsdp2: write this rank's shards of weights and optimizer state into `folder`/dcp and return the full
+        weights (rank 0; the others get {}). A collective: rank 0 (the leader) tells the others to join."""
+        if self.leader is not None:
+            self.leader.send(("checkpoint", str(folder)))
+        weights = full_model_state(self.model)
+        save_sharded(self.model, self.optimizer, Path(folder) / DCP_DIR)
+        return weights
 
     @staticmethod
     def _reduce_pieces(par: Parallel, tensors: list[torch.Tensor], pieces: _Prepared | None, loss_total: float,
@@ -548,13 +579,25 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "surge": self.surge.state_dict(),
+        if self.sharded:    # the optimizer state is in the shards (save_sharded), by its folder's name
+            optimizer: dict[str, Any] = {DCP_KEY: DCP_DIR}
+        elif self._pending_shards is not None:   # not loaded yet (the followers' "start"): where it is
+            optimizer = {DCP_KEY: self._pending_shards}
+        else:
+            optimizer = self.optimizer.state_dict()
+        return {"optimizer": optimizer, "surge": self.surge.state_dict(),
                 "noise": None if self.noise is None else self.noise.state_dict(),
                 "rollouts": self.rollouts, "version": self.version, "optimizer_steps": self.optimizer_steps,
                 "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        optimizer = state["optimizer"]
+        if DCP_KEY not in optimizer:
+            self.optimizer.load_state_dict(optimizer)
+        elif self.cfg.trainer.parallel == "fsdp2" and not self.sharded:
+            self._pending_shards = str(optimizer[DCP_KEY])    # after the first step's fully_shard
+        else:   # one process or DDP: this process reads the full tensors from the shards (any saving world size)
+            load_sharded(self.model, self.optimizer, optimizer[DCP_KEY], alone=True)
         self.surge.load_state_dict(state["surge"])
         if self.noise is not None and state.get("noise") is not None:
             self.noise.load_state_dict(state["noise"])
