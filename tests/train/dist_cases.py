@@ -13,6 +13,7 @@ import torch.distributed as dist
 from train_helpers import synthetic_batch, tiny_cfg
 
 from covrl.models import tiny_llama
+from covrl.models.loading import apply_lora
 from covrl.train.trainer import Trainer
 
 STEPS = 3
@@ -34,6 +35,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     "rank-without-tokens": ({}, {"groups": 2, "empty_group": 0}),
     # one group: rank 0 gets no rows
     "rank-without-rows": ({"algorithm.agg_mode": "seq-mean-token-sum"}, {"groups": 1}),
+    # peft LoRA adapters on q/v (frozen base weights beside trainable adapters in the wrapped module)
+    "lora": ({"model.lora": "{rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}"}, {}),
 }
 
 
@@ -61,6 +64,10 @@ def run_case(name: str, parallel: str = "none") -> dict:
     over, batch_opts = CASES[name]
     cfg = tiny_cfg(**{"logging.noise_scale": False, "trainer.parallel": parallel, **over})
     model = make_model(seed=0)
+    if cfg.model.lora is not None:
+        with torch.random.fork_rng():   # the same adapter init in every process
+            torch.manual_seed(0)
+            model = apply_lora(model, cfg.model.lora)
     trainer = Trainer(model, cfg)
     metrics = [dict(trainer.step(b).metrics) for b in case_batches(batch_opts)]
     return {"metrics": metrics, "weights": {k: v.detach().clone() for k, v in _full_state(trainer).items()}}

@@ -108,7 +108,8 @@ class Parallel:
 
             for p in model.parameters():   # fully_shard does not broadcast: start every rank from rank 0's weights
                 dist.broadcast(p.data, src=0)
-            layers = getattr(getattr(model, "model", None), "layers", None)
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model   # under peft's wrapper
+            layers = getattr(getattr(base, "model", None), "layers", None)
             for layer in layers if layers is not None else []:
                 fully_shard(layer)
             module = fully_shard(model)
