@@ -37,7 +37,13 @@ CASES: dict[str, tuple[dict, dict]] = {
     "rank-without-rows": ({"algorithm.agg_mode": "seq-mean-token-sum"}, {"groups": 1}),
     # peft LoRA adapters on q/v (frozen base weights beside trainable adapters in the wrapped module)
     "lora": ({"model.lora": "{rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}"}, {}),
+    # the gradient-noise split (ddp: from each rank's gradient before the all-reduce; fsdp2 logs none). One
+    # micro-batch per group: the ranks' micro-batches [g0] | [g1] [g2] are one process's, the same estimate
+    "noise-micro": ({"logging.noise_scale": True, "optim.micro_batch_size": 4, "optim.max_grad_norm": None}, {}),
+    # one micro-batch per rank: one process halves the batch [g0 g1] | [g2], the ranks split it [g0] | [g1 g2]
+    "noise-shards": ({"logging.noise_scale": True, "optim.max_grad_norm": None}, {}),
 }
+NOISE_SAME_SPLIT = {"noise-micro"}   # cases whose noise/* metrics equal one process's
 
 
 def make_model(seed=0):
