@@ -1,6 +1,7 @@
 """FSDP2 checkpoints through torch.distributed.checkpoint inside the atomic checkpoint folder: a 2-rank fsdp2
 trainer saves after 2 steps (shards in dcp/, full weights in model/, COMPLETE last); the state is then
-resumed on 2 ranks (2 -> 2), on one process (2 -> 1), and a one-process checkpoint on 2 fsdp2 ranks (1 -> 2).
+resumed on 2 ranks (2 -> 2), on one process (2 -> 1), by DDP's rank 0, and a one-process checkpoint on 2 fsdp2
+ranks (1 -> 2).
 Resumed weights and Adam moments equal the saved ones exactly (0.0); one more step after a 2 -> 2 resume is
 bit-identical to the straight run, after 2 -> 1 / 1 -> 2 equal to the straight run of the other world size to
 the 2-rank-vs-1 rounding (WEIGHT_ATOL of test_distributed.py)."""
@@ -83,6 +84,12 @@ def _worker(rank: int, world: int, port: int, out: str) -> None:
         resumed.step(batches[2])
         results["resumed_step"] = full_state(resumed)
 
+        if rank == 0:   # fsdp2 -> ddp: DDP's rank 0 reads the full tensors alone (no collective), as a resume does
+            ddp = Trainer(make_model(seed=5), _cfg("ddp"))
+            ddp.load_state_dict(ckpt.load_state(path)["trainer"])
+            results["ddp_rank0"] = full_state(ddp)
+        dist.barrier()
+
         one = os.path.join(out, "one")   # 1 -> 2: a one-process checkpoint (single-file optimizer state)
         model = make_model(seed=5)
         ckpt.load_model_weights(model, ckpt.latest_checkpoint(one) / ckpt.MODEL_DIR)
@@ -124,6 +131,7 @@ def test_fsdp2_checkpoint_resumes_on_any_world_size(tmp_path):
     assert max_diff(r["resumed"], r["saved"]) == 0.0            # 2 -> 2: the state exactly
     assert max_diff(r["resumed_step"], r["straight"]) == 0.0    # and the next step bit-identical
     assert max_diff(r["from_one"], single_saved) == 0.0        # 1 -> 2: the state exactly
+    assert max_diff(r["ddp_rank0"], r["saved"]) == 0.0         # fsdp2 -> ddp (rank 0 loads, the wrap broadcasts)
     assert max_diff(r["from_one_step"], r["straight"]) <= WEIGHT_ATOL
 
     # 2 -> 1: model/ (the export) and the shards, read by one process without a process group

@@ -50,6 +50,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--world", type=int, default=2, help="ranks of the distributed setups")
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
     parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    parser.add_argument("--whole-budget", action=argparse.BooleanOptionalAction, default=True,
+                        help="also time 1 process with world x threads threads")
     parser.add_argument("--quick", action="store_true", help="tiny model, 8 rows, 1+1 steps, no 1 x world*threads "
                                                              "setup (tests)")
 
@@ -157,7 +159,8 @@ def run(args: argparse.Namespace) -> int:
 
     load_model(args.model, args.cache_dir or DEFAULT_CACHE)   # build the cached model folder once, here
     setups: dict = {}
-    budgets = [args.threads] if args.quick else sorted({args.threads, args.threads * args.world})
+    budgets = sorted({args.threads, args.threads * args.world}) if args.whole_budget and not args.quick \
+        else [args.threads]
     for threads in budgets:   # 1 process: the per-rank thread budget and the whole one
         torch.set_num_threads(threads)
         setups[f"1x{threads}"] = _setups(0, 1, {**opts, "threads": threads})["none"]
