@@ -45,6 +45,9 @@ class RolloutBatch:
     policy_version   [B] long: the trainer version whose weights generated each row
     sampler_topk_ids / sampler_topk_logprobs [B, T, K] (optional): the sampler's top-k for score centring
     prompt_index     [B] long (optional): position of the prompt in the task's data stream (exact resume)
+    loss_mask        [B, T] float (optional, multi-turn episodes): 1 on the model's own tokens, 0 on environment /
+                     tool-result tokens that sit inside the response as context (response_mask 1, no sampler
+                     log-prob); None = every response token is the model's (`train_mask` is response_mask)
     timing           seconds spent generating (and, once scored, scoring)
     """
 
@@ -58,10 +61,17 @@ class RolloutBatch:
     sampler_topk_ids: torch.Tensor | None = None
     sampler_topk_logprobs: torch.Tensor | None = None
     prompt_index: torch.Tensor | None = None
+    loss_mask: torch.Tensor | None = None
     timing: RolloutTiming = field(default_factory=RolloutTiming)
 
     def __len__(self) -> int:
         return int(self.response_ids.shape[0])
+
+    @property
+    def train_mask(self) -> torch.Tensor:
+        """The tokens the loss, the corrections and the mismatch metrics count: the model's own tokens
+        (loss_mask) where environment tokens sit in the response, else the response mask."""
+        return self.response_mask if self.loss_mask is None else self.loss_mask
 
     @property
     def num_response_tokens(self) -> int:
@@ -164,6 +174,9 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         "sampler_topk_logprobs": _cat_optional([b.sampler_topk_logprobs for b in batches], T),
         "policy_version": torch.cat([b.policy_version for b in batches]),
         "prompt_index": _cat_optional([b.prompt_index for b in batches]),
+        # single-turn chunks beside episodes: all their response tokens are the model's
+        "loss_mask": None if all(b.loss_mask is None for b in batches)
+        else torch.cat([_pad(b.train_mask, T) for b in batches]),
         "timing": timing,
     }
     if not all(isinstance(b, ScoredBatch) for b in batches):

@@ -1,7 +1,8 @@
 """Verifiable tasks: built-in generators (arithmetic, letters), JSONL / local HF datasets, reward functions."""
 
 from covrl.tasks.base import Example, RewardOutput
-from covrl.tasks.config import ArithmeticConfig, LettersConfig, TaskConfig
+from covrl.tasks.config import ArithmeticConfig, EnvironmentConfig, LettersConfig, TaskConfig
+from covrl.tasks.environments import ENVIRONMENTS, Environment, EnvStep, build_environment
 from covrl.tasks.registry import TASKS, get_builder
 from covrl.tasks.rewards import REWARDS, RewardFunctionError, load_user_reward, parse_last_number
 from covrl.tasks.task import PromptTooLongError, Task
@@ -9,9 +10,13 @@ from covrl.tasks.task import PromptTooLongError, Task
 
 def build_task(cfg: TaskConfig) -> Task:
     """The task named by `cfg.name` (see `TASKS`), with its train / held-out eval split and reward."""
-    return get_builder(cfg.name)(cfg)
+    task = get_builder(cfg.name)(cfg)
+    if cfg.env.name is not None:
+        task.environment = build_environment(task, cfg.env)
+    return task
 
 
-__all__ = ["REWARDS", "TASKS", "ArithmeticConfig", "Example", "LettersConfig", "PromptTooLongError",
-           "RewardFunctionError", "RewardOutput", "Task", "TaskConfig", "build_task", "get_builder",
+__all__ = ["ENVIRONMENTS", "REWARDS", "TASKS", "ArithmeticConfig", "EnvStep", "Environment", "EnvironmentConfig",
+           "Example", "LettersConfig", "PromptTooLongError",
+           "RewardFunctionError", "RewardOutput", "Task", "TaskConfig", "build_environment", "build_task", "get_builder",
            "load_user_reward", "parse_last_number"]

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -34,7 +34,42 @@ class LettersConfig(Section):
         return self
 
 
+class ReasoningGymConfig(Section):
+    """A reasoning-gym procedural dataset (extra covrl[reasoning]; generated locally, nothing downloaded)."""
+
+    dataset: str | None = Field(None, min_length=1, description="reasoning-gym dataset name, e.g. "
+                                "basic_arithmetic, leg_counting, chain_sum (required for task.name=reasoning_gym)")
+    options: dict[str, Any] = Field(default_factory=dict, description="the dataset's own config options, e.g. "
+                                    "{min_terms: 2, max_terms: 2} for basic_arithmetic")
+    size: int | None = Field(None, ge=1, le=10_000_000, description="distinct training problems generated "
+                             "(task.n_train cycles through them); None = task.n_train")
+
+
+class OverlongRewardConfig(Section):
+    """DAPO's soft overlong punishment, added to the reward: 0 up to max_tokens - buffer response tokens, then
+    falling linearly to -penalty at max_tokens."""
+
+    buffer: int = Field(0, ge=0, le=1_000_000, description="length of the penalised stretch before the budget, "
+                        "in tokens (0: off)")
+    penalty: float = Field(1.0, ge=0, description="penalty at the budget (DAPO: 1.0)")
+    max_tokens: int | None = Field(None, ge=1, le=1_000_000, description="the response budget; None = "
+                                   "sampler.max_new_tokens (filled in by the run's config)")
+
+
 Signature = Literal["auto", "covrl", "trl"]
+
+
+class EnvironmentConfig(Section):
+    """Multi-turn episodes (covrl.tasks.environments; docs/environments.md). No name = single-turn rollouts."""
+
+    name: str | None = Field(None, description="environment registry name (single_turn, calculator, add) or a "
+                             "user class 'module:Class' / 'file.py:Class' (an Environment, or a TRL "
+                             "environment_factory object); None = ordinary single-turn rollouts")
+    max_turns: int = Field(4, ge=1, le=256, description="assistant turns per episode at most")
+    max_tool_calls: int = Field(4, ge=0, le=1024, description="tool calls per episode at most (a message after "
+                                "the limit is the final answer)")
+    tool_timeout_s: float | None = Field(5.0, gt=0, le=86400.0, description="per-call timeout of a tool "
+                                         "(thread-isolated like user rewards; None = no timeout)")
 
 
 class RewardTermConfig(Section):
@@ -64,16 +99,23 @@ class TaskConfig(Section):
     """Which problems to pose and how to score them."""
 
     name: str = Field("arithmetic", description="task registry name: arithmetic, count_letters, "
-                      "sort_letters, jsonl (path = a .jsonl file), hf_dataset (path = a local datasets folder)")
+                      "sort_letters, jsonl (path = a .jsonl file), hf_dataset (path = a local datasets folder), "
+                      "reasoning_gym (task.reasoning_gym.dataset)")
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig, description="arithmetic options")
     letters: LettersConfig = Field(default_factory=LettersConfig, description="count/sort letters options")
+    env: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="multi-turn episodes with "
+                                   "tools (env.name set) instead of single-turn completions")
+    reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig,
+                                              description="reasoning-gym dataset (task.name=reasoning_gym)")
+    overlong_reward: OverlongRewardConfig = Field(default_factory=OverlongRewardConfig,
+                                                  description="soft overlong punishment added to the reward")
     path: str | None = Field(None, description="data file/folder for jsonl / hf_dataset tasks")
     eval_path: str | None = Field(None, description="separate eval file/folder (else n_eval rows split off)")
     prompt_field: str = Field("prompt", min_length=1, description="record field holding the prompt")
     answer_field: str = Field("answer", min_length=1, description="record field holding the reference answer")
     split: str = Field("train", description="split to read from an hf_dataset folder")
     reward: str = Field("auto", description="reward registry name (last_number, exact_match, format, "
-                        "last_number_format) or auto = the task's natural reward")
+                        "last_number_format, math_verify, reasoning_gym) or auto = the task's natural reward")
     reward_fn: str | None = Field(None, description="user reward 'module:function' or 'file.py:function'; "
                                   "overrides `reward`; signature fn(completion: str, example) -> float, or "
                                   "TRL's fn(completions, **columns) -> list[float]")
@@ -83,7 +125,7 @@ class TaskConfig(Section):
                                             "[{fn, weight, name, signature}, ...]: reward = sum of weight*fn; "
                                             "overrides `reward`; each logged as task/reward/<name>")
     grader: str = Field("auto", description="reward registry name whose value >= 1 means correct "
-                        "(accuracy); auto = the task's natural grader")
+                        "(accuracy); auto = the task's natural grader (math_verify when task.reward=math_verify)")
     n_train: int = Field(1000, ge=1, le=10_000_000, description="training examples (drawn from the train pool)")
     n_eval: int = Field(50, ge=0, le=1_000_000, description="held-out eval examples, disjoint from train")
     seed: int = Field(0, ge=0, description="seed of problem generation and of the train/eval split")
@@ -126,4 +168,7 @@ class TaskConfig(Section):
     def _needs_path(self):
         if self.name in ("jsonl", "hf_dataset") and not self.path:
             raise ValueError(f"task.path is required for task.name={self.name!r}")
+        if self.name == "reasoning_gym" and not self.reasoning_gym.dataset:
+            raise ValueError("task.reasoning_gym.dataset is required for task.name='reasoning_gym' (e.g. "
+                             "basic_arithmetic, leg_counting)")
         return self

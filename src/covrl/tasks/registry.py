@@ -12,6 +12,7 @@ TASKS: dict[str, str] = {
     "sort_letters": "covrl.tasks.builtin:build_sort_letters",
     "jsonl": "covrl.tasks.datasets:build_jsonl",
     "hf_dataset": "covrl.tasks.datasets:build_hf_dataset",
+    "reasoning_gym": "covrl.tasks.procedural:build_reasoning_gym",   # extra covrl[reasoning]
 }
 
 

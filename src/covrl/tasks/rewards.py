@@ -41,6 +41,7 @@ from pathlib import Path
 from typing import Any
 
 from covrl.tasks.base import Example
+from covrl.tasks.graders import math_verify_reward, reasoning_gym_reward
 
 RewardFn = Callable[[str, Example], float]
 
@@ -99,7 +100,28 @@ REWARDS: dict[str, RewardFn] = {
     "exact_match": exact_match,
     "format": format_only,
     "last_number_format": last_number_format,
+    "math_verify": math_verify_reward,       # extra covrl[reasoning]
+    "reasoning_gym": reasoning_gym_reward,   # extra covrl[reasoning]; task.name=reasoning_gym only
 }
+
+# built-ins that can hang (a symbolic solver) run isolated like user rewards, with task.reward_timeout_s: the
+# spec is what a reward worker process imports (task.reward_isolation=process)
+ISOLATED_REWARDS: dict[str, str] = {"math_verify": "covrl.tasks.graders:math_verify_reward",
+                                    "reasoning_gym": "covrl.tasks.graders:reasoning_gym_reward"}
+
+
+def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float = 1.0) -> float:
+    """DAPO's soft overlong punishment of a response of `length` tokens with a budget of `max_tokens`:
+
+        0                                            if length <= max_tokens - buffer
+        -penalty * (length - (max_tokens - buffer)) / buffer   in the last `buffer` tokens (-penalty at the budget)
+        -penalty                                     beyond the budget
+
+    (verl's `overlong_buffer`: min(-exceed / buffer * penalty_factor, 0), capped at -penalty.)"""
+    if buffer <= 0:
+        return 0.0
+    exceed = length - (max_tokens - buffer)
+    return -penalty * min(max(exceed, 0), buffer) / buffer
 
 
 class RewardFunctionError(RuntimeError):
@@ -330,6 +352,11 @@ class RewardRunner:
         if self._process is not None:
             self._process.kill()
             self._process = None
+
+    def call(self, *args, **kwargs):
+        """One isolated call returning the raw value; a failure or timeout raises (tools of
+        covrl.tasks.tools run through this)."""
+        return self._call(*args, **kwargs)
 
     def _call(self, *args, **kwargs):
         if self.process_spec is not None:

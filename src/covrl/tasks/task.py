@@ -4,7 +4,16 @@ from __future__ import annotations
 
 from covrl.tasks.base import Example, RewardOutput
 from covrl.tasks.config import TaskConfig
-from covrl.tasks.rewards import REWARDS, RewardRunner, detect_signature, load_user_reward, resolve_reward
+from covrl.tasks.graders import check_available
+from covrl.tasks.rewards import (
+    ISOLATED_REWARDS,
+    REWARDS,
+    RewardRunner,
+    detect_signature,
+    load_user_reward,
+    overlong_penalty,
+    resolve_reward,
+)
 
 
 class PromptTooLongError(ValueError):
@@ -28,7 +37,8 @@ class Task:
         self.train = train
         self.eval = eval
         self.reward_name = cfg.reward_fn or (default_reward if cfg.reward == "auto" else cfg.reward)
-        self.grader_name = default_grader if cfg.grader == "auto" else cfg.grader
+        auto_grader = "math_verify" if cfg.reward == "math_verify" else default_grader
+        self.grader_name = auto_grader if cfg.grader == "auto" else cfg.grader
         if cfg.rewards:
             # weighted terms, each logged; a bare registry name is a built-in, anything else a user function
             self._terms = [(t.log_name, t.weight, self._runner(t.fn, t.log_name, t.signature, user=t.fn not in REWARDS))
@@ -38,17 +48,26 @@ class Task:
             self._terms = [(self.reward_name, 1.0, self._runner(self.reward_name, self.reward_name,
                                                                 cfg.reward_signature, user=bool(cfg.reward_fn)))]
         self._reward = self._terms[0][2]
-        self._grader = resolve_reward(self.grader_name)
+        if "math_verify" in {self.grader_name, *(t.fn for t in cfg.rewards), self.reward_name}:
+            check_available()   # a missing extra fails at start-up, naming it
+        # a grader that is the (single, built-in) reward reuses its values; one that can hang runs isolated
+        self._grader_is_reward = (not cfg.rewards and not cfg.reward_fn and self.grader_name == self.reward_name)
+        self._grader = (self._runner(self.grader_name, self.grader_name, "covrl", user=False)
+                        if self.grader_name in ISOLATED_REWARDS else resolve_reward(self.grader_name))
         self._cache: dict[tuple[int, str], list[int]] = {}
         self.num_truncated = 0
+        # factory of a fresh Environment per episode (covrl.tasks.environments), set when task.env.name is
+        self.environment = None
 
     def _runner(self, spec: str, name: str, signature: str, *, user: bool) -> RewardRunner:
         cfg = self.cfg
         fn = load_user_reward(spec) if user else resolve_reward(spec)
         if signature == "auto":
             signature = detect_signature(fn, spec)
-        return RewardRunner(fn, name=name, timeout_s=cfg.reward_timeout_s, on_error=cfg.reward_errors, isolate=user,
-                            process_spec=spec if (user and cfg.reward_isolation == "process") else None,
+        isolate = user or spec in ISOLATED_REWARDS   # with the timeout; the process worker imports the spec
+        process_spec = ISOLATED_REWARDS.get(spec, spec) if (isolate and cfg.reward_isolation == "process") else None
+        return RewardRunner(fn, name=name, timeout_s=cfg.reward_timeout_s, on_error=cfg.reward_errors, isolate=isolate,
+                            process_spec=process_spec,
                             signature=signature, answer_field=cfg.answer_field,
                             max_consecutive_errors=cfg.max_consecutive_reward_errors)
 
@@ -60,6 +79,8 @@ class Task:
         """Release the reward worker processes (reward_isolation="process"); the task stays usable."""
         for _, _, runner in self._terms:
             runner.close()
+        if isinstance(self._grader, RewardRunner):
+            self._grader.close()
 
     def prompt_text(self, tokenizer, example: Example) -> str:
         """The text the model is conditioned on: the chat template around `example.prompt` (with the
@@ -101,11 +122,14 @@ class Task:
             ids.append(int(tokenizer.eos_token_id))
         return ids
 
-    def score(self, completions: list[str], examples: list[Example]) -> RewardOutput:
+    def score(self, completions: list[str], examples: list[Example],
+              lengths: list[int] | None = None) -> RewardOutput:
         """rewards_i = reward(completion_i, example_i) (0.0 on error/timeout, counted in `errors`), or
         Σ_k weight_k·term_k with `task.rewards` (each term's mean in reward/reward/<name>, its failures in
         reward/errors/<name>); correct_i = grader(completion_i, example_i) >= 1. Empty completions are scored
-        like any text."""
+        like any text. With `task.overlong_reward.buffer > 0` and the response `lengths` in tokens, DAPO's soft
+        overlong penalty is added to each reward (reward/overlong_penalty: its mean; reward/overlong_frac: the
+        fraction of responses penalised); the grader's verdict is unchanged."""
         if len(completions) != len(examples):
             raise ValueError(f"score: {len(completions)} completions but {len(examples)} examples")
         n = max(len(completions), 1)
@@ -119,7 +143,23 @@ class Task:
             if self.cfg.rewards:
                 per_term[f"reward/reward/{name}"] = sum(values) / n
                 per_term[f"reward/errors/{name}"] = float(term_errors)
-        correct = [self._grader(c, e) >= 1.0 for c, e in zip(completions, examples)]
+        if self._grader_is_reward:
+            correct = [v >= 1.0 for v in values]
+        elif isinstance(self._grader, RewardRunner):
+            correct = [v >= 1.0 for v in self._grader(completions, examples)[0]]
+        else:
+            correct = [self._grader(c, e) >= 1.0 for c, e in zip(completions, examples)]
+        ocfg = self.cfg.overlong_reward
+        if ocfg.buffer > 0 and lengths is not None:
+            if ocfg.max_tokens is None:
+                raise ValueError("task.overlong_reward.max_tokens is unset (a run's config fills it in from "
+                                 "sampler.max_new_tokens)")
+            if len(lengths) != len(completions):
+                raise ValueError(f"score: {len(lengths)} lengths for {len(completions)} completions")
+            penalties = [overlong_penalty(int(n_tok), ocfg.max_tokens, ocfg.buffer, ocfg.penalty) for n_tok in lengths]
+            rewards = [r + p for r, p in zip(rewards, penalties)]
+            per_term["reward/overlong_penalty"] = sum(penalties) / n
+            per_term["reward/overlong_frac"] = sum(p < 0 for p in penalties) / n
         metrics = {
             "reward/mean": sum(rewards) / n,
             "reward/accuracy": sum(correct) / n,

@@ -135,6 +135,12 @@ class LoopConfig(Section):
     steps: int = Field(40, ge=1, description="optimizer steps of the run; total rollouts = steps * rollouts/step")
     prompts_per_step: int = Field(8, ge=1, description="distinct prompts per step")
     group_size: int = Field(8, ge=1, description="completions per prompt (a group for the advantage baseline)")
+    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling (sync mode): drop groups whose "
+                                   "rewards are all equal and generate more until prompts_per_step groups are kept "
+                                   "(covrl.train.sources.DynamicSamplingSource)")
+    dynamic_sampling_max_rounds: int = Field(16, ge=1, le=100_000, description="generation rounds per step at "
+                                             "most; then the step trains on the groups kept so far, and a step "
+                                             "that kept none stops the run (DynamicSamplingError, exit 2)")
 
     @property
     def rollouts_per_step(self) -> int:
@@ -148,6 +154,17 @@ class EvalConfig(Section):
     greedy: bool = Field(True, description="greedy decoding accuracy on the held-out prompts")
     sampled: bool = Field(True, description="one sample per prompt at the sampler's temperature")
     max_prompts: int | None = Field(None, ge=1, description="use at most this many held-out prompts")
+    pass_at_k: int | None = Field(None, ge=1, le=4096, description="also sample pass_at_k_samples completions "
+                                  "per held-out prompt and report the unbiased pass@k (None: off)")
+    pass_at_k_samples: int | None = Field(None, ge=1, le=4096, description="samples per prompt for pass@k "
+                                          "(n >= k; None = k)")
+
+    @model_validator(mode="after")
+    def _enough_samples(self):
+        if self.pass_at_k and self.pass_at_k_samples and self.pass_at_k_samples < self.pass_at_k:
+            raise ValueError(f"eval.pass_at_k_samples={self.pass_at_k_samples} < eval.pass_at_k={self.pass_at_k}: "
+                             "the estimator needs n >= k samples per prompt")
+        return self
 
 
 class CheckpointConfig(Section):
@@ -214,6 +231,15 @@ class TrainConfig(Section):
         if self.trainer.parallel != "none" and (self.loop.mode == "ray" or self.kl.coef > 0):
             raise ValueError(f"trainer.parallel={self.trainer.parallel} runs loop.mode=sync/async without a KL "
                              "reference for now (docs/distributed.md)")
+        if self.loop.dynamic_sampling and (self.loop.mode != "sync" or self.trainer.parallel != "none"):
+            raise ValueError("loop.dynamic_sampling=true runs with loop.mode=sync and trainer.parallel=none only")
+        overlong = self.task.overlong_reward
+        if overlong.buffer > 0:
+            if overlong.max_tokens is None:   # the sampler's budget is what the penalty counts towards
+                overlong.max_tokens = self.sampler.max_new_tokens
+            if overlong.buffer > overlong.max_tokens:
+                raise ValueError(f"task.overlong_reward.buffer={overlong.buffer} exceeds the response budget "
+                                 f"max_tokens={overlong.max_tokens}")
         if self.batch_scaling.scale_lr and self.batch_scaling.base_batch_rollouts is None:
             raise ValueError("batch_scaling.scale_lr=true needs batch_scaling.base_batch_rollouts (the rollouts "
                              "per step at which optim.lr was tuned)")

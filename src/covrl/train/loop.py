@@ -18,7 +18,7 @@ from typing import Any
 from covrl.rollout.types import ScoredBatch
 from covrl.train.results import StepResult
 from covrl.train.run import Run
-from covrl.train.sources import RolloutSource, SourceBatch, SyncSource, score_rollouts
+from covrl.train.sources import RolloutSource, SourceBatch, build_sync_source, score_rollouts
 from covrl.train.trainer import TrainingDivergedError
 
 __all__ = ["run_loop", "score_rollouts", "step_record", "train_sync"]
@@ -118,5 +118,6 @@ def _record_failure(run: Run, failure: BaseException) -> None:
 
 
 def train_sync(run: Run, *, stop_after: int | None = None) -> dict[str, Any]:
-    """The synchronous loop: generate with the run's sampler, then train on it (`run_loop` + `SyncSource`)."""
-    return run_loop(run, SyncSource(run), stop_after=stop_after)
+    """The synchronous loop: generate with the run's sampler, then train on it (`run_loop` + `SyncSource`, or
+    `EpisodeSource` for a task with an environment, or `DynamicSamplingSource` with `loop.dynamic_sampling`)."""
+    return run_loop(run, build_sync_source(run), stop_after=stop_after)

@@ -171,7 +171,8 @@ class Run:
         examples = self.task.eval[: ecfg.max_prompts] if ecfg.max_prompts else self.task.eval
         t0 = time.perf_counter()
         result = evaluate(self.sampler, self.task, self.tokenizer, examples, seed=self.cfg.run.seed + 17,
-                          greedy=ecfg.greedy, sampled=ecfg.sampled)
+                          greedy=ecfg.greedy, sampled=ecfg.sampled, pass_k=ecfg.pass_at_k,
+                          pass_samples=ecfg.pass_at_k_samples)
         self.add_time("eval", time.perf_counter() - t0)
         result.update({"label": label, "step": self.step, "rollouts": self.trainer.rollouts,
                        "policy_version": self.trainer.version})
@@ -181,6 +182,8 @@ class Run:
         for mode in ("greedy", "sampled"):
             if mode in result:
                 parts.append(f"{mode} accuracy {result[mode]['accuracy']:.1%}")
+        if "pass@k" in result:
+            parts.append(f"pass@{result['pass@k']['k']} {result['pass@k']['pass@k']:.1%}")
         self.message("  ".join(parts))
         return result
 
@@ -222,7 +225,8 @@ class Run:
         def brief(e):
             if e is None:
                 return None
-            return {m: e[m]["accuracy"] for m in ("greedy", "sampled") if m in e} | {
+            return {m: e[m]["accuracy"] for m in ("greedy", "sampled") if m in e} | (
+                {"pass@k": e["pass@k"]["pass@k"], "k": e["pass@k"]["k"]} if "pass@k" in e else {}) | {
                 "step": e["step"], "rollouts": e["rollouts"], "settings": e["settings"]}
 
         return {
@@ -240,6 +244,8 @@ class Run:
             "eval_before": brief(before), "eval_after": brief(after),
             "final_metrics_last5": final, "sft": self.sft_metrics or None,
             "versions": versions(), "git": git_info(), "seed": self.cfg.run.seed,
+            # results depend on the thread count (float summation order): part of what reproduces a run
+            "torch_threads": torch.get_num_threads(),
             "config": "config.yaml",
         }
 

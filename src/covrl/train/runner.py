@@ -19,6 +19,7 @@ from covrl.tasks import PromptTooLongError, RewardFunctionError
 from covrl.train.async_pools import SamplerWorkerError
 from covrl.train.checkpoint import CheckpointError
 from covrl.train.run import choose_run_dir, mark_summary
+from covrl.train.sources import DynamicSamplingError
 from covrl.train.trainer import TrainingDivergedError
 
 __all__ = ["Terminated", "print_err", "run_training", "sigterm_as_interrupt"]
@@ -116,7 +117,7 @@ def _outcome(err: BaseException, name: str, *, setup: bool) -> tuple[int | None,
         return 5, "failed", f"{err}\nstopped; resume with: {again}"   # past the worker restart budget
     if setup and isinstance(err, (ModelNotFoundError, FileNotFoundError, ValueError, CheckpointError)):
         return 2, "failed", str(err)
-    if isinstance(err, (PromptTooLongError, RewardFunctionError, CheckpointError)):  # met mid-run: no traceback
+    if isinstance(err, (PromptTooLongError, RewardFunctionError, DynamicSamplingError, CheckpointError)):  # mid-run
         return (4 if isinstance(err, CheckpointError) else 2), "failed", f"{err}\nstopped; fix the cause, then: {again}"
     return None, "failed", _reason(err)
 

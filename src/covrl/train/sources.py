@@ -17,12 +17,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from covrl.rollout.episodes import generate_episodes, score_episodes
 from covrl.rollout.text import decode_responses
-from covrl.rollout.types import RolloutBatch, ScoredBatch
+from covrl.rollout.types import RolloutBatch, ScoredBatch, concat_batches
 from covrl.train.faults import fault_point
 from covrl.train.results import StepResult
 
-__all__ = ["RolloutSource", "SourceBatch", "SyncSource", "score_rollouts"]
+__all__ = ["DynamicSamplingError", "DynamicSamplingSource", "EpisodeSource", "RolloutSource", "SourceBatch",
+           "SyncSource", "build_sync_source", "score_rollouts"]
 
 
 @dataclass(frozen=True)
@@ -74,7 +76,7 @@ def score_rollouts(task, tokenizer, batch: RolloutBatch, examples: list, n: int,
     t0 = time.perf_counter()
     texts = decode_responses(tokenizer, batch)
     row_examples = [ex for ex in examples for _ in range(n)]
-    scored = task.score(texts, row_examples)
+    scored = task.score(texts, row_examples, lengths=batch.response_mask.sum(1).long().tolist())
     task_metrics = {f"task/{k.split('/', 1)[-1]}": float(v) for k, v in scored.metrics.items()
                     if k not in ("reward/mean", "reward/accuracy")}
     if positions is not None:
@@ -124,3 +126,125 @@ class SyncSource:
 
     def summary(self) -> dict[str, Any]:
         return {}
+
+
+class EpisodeSource(SyncSource):
+    """SyncSource for a task with an environment (`task.env.name`): `loop.group_size` multi-turn episodes per
+    prompt through the run's sampler (covrl.rollout.episodes), scored by the environment or the task."""
+
+    def next_batch(self, trainer_version: int) -> SourceBatch:
+        run = self.run
+        lcfg = run.cfg.loop
+        examples, positions = run.stream.take(lcfg.prompts_per_step)
+        episodes = generate_episodes(run.sampler, run.tokenizer, run.task.environment, examples, lcfg.group_size,
+                                     generator=run.generator, chat_template=run.cfg.task.chat_template,
+                                     max_turns=run.cfg.task.env.max_turns, policy_version=trainer_version)
+        fault_point("generate")
+        scored = score_episodes(run.task, run.tokenizer, episodes, examples, lcfg.group_size)
+        scored = replace(scored, prompt_index=torch.tensor(positions, dtype=torch.long).repeat_interleave(
+            lcfg.group_size))
+        return SourceBatch(scored, examples=tuple(examples))
+
+
+class DynamicSamplingError(RuntimeError):
+    """Dynamic sampling kept no group in `loop.dynamic_sampling_max_rounds` rounds (every reward constant)."""
+
+
+def constant_groups(batch: ScoredBatch) -> torch.Tensor:
+    """[G] bool, per group id 0..G-1 present in the batch: every row of the group has the same (sequence) reward."""
+    rewards = batch.rewards.sum(-1) if batch.rewards.dim() == 2 else batch.rewards
+    gids = batch.group_ids
+    num = int(gids.max()) + 1 if len(batch) else 0
+    hi = torch.full((num,), -torch.inf).scatter_reduce(0, gids, rewards.float(), "amax")
+    lo = torch.full((num,), torch.inf).scatter_reduce(0, gids, rewards.float(), "amin")
+    return hi == lo
+
+
+class DynamicSamplingSource(SyncSource):
+    """DAPO's dynamic sampling on the sync loop (`loop.dynamic_sampling: true`): generate `loop.group_size`
+    completions for the next prompts of the stream, drop the groups whose rewards are all equal (zero variance:
+    no advantage, no gradient under a group baseline), and generate for as many new prompts as groups are missing
+    until `loop.prompts_per_step` groups are kept. Nothing generated is trained twice or carried over.
+
+    Cap: at most `loop.dynamic_sampling_max_rounds` generation rounds per step. When they are used up, the step
+    trains on the groups kept so far (a smaller batch; `dynamic/short_step` = 1); a step that kept none raises
+    DynamicSamplingError (exit code 2): every group was constant for that many rounds, the task is too easy or
+    too hard for the model.
+
+    Data clock: the trainer counts the rollouts it trained on (`rollouts`, the lr schedule and eval / checkpoint
+    periods); this source counts every rollout it generated. Per step it logs `dynamic/generated_rollouts` and
+    `dynamic/trained_rollouts` (cumulative), `dynamic/kept_groups`, `dynamic/dropped_groups`, `dynamic/rounds`,
+    `dynamic/keep_rate` (kept / generated groups this step). Its counters are checkpointed
+    (`run.register("dynamic_sampling", ...)`); the prompts drawn come from the run's stream and generator, which are
+    checkpointed already, so a resumed run repeats the uninterrupted one exactly."""
+
+    def __init__(self, run):
+        super().__init__(run)
+        self.generated_rollouts = 0
+        self.trained_rollouts = 0
+        self.dropped_groups = 0
+        run.register("dynamic_sampling", self)
+
+    def state_dict(self) -> dict[str, int]:
+        return {"generated_rollouts": self.generated_rollouts, "trained_rollouts": self.trained_rollouts,
+                "dropped_groups": self.dropped_groups}
+
+    def load_state_dict(self, state: dict[str, int]) -> None:
+        self.generated_rollouts = int(state["generated_rollouts"])
+        self.trained_rollouts = int(state["trained_rollouts"])
+        self.dropped_groups = int(state["dropped_groups"])
+
+    def next_batch(self, trainer_version: int) -> SourceBatch:
+        run, lcfg = self.run, self.run.cfg.loop
+        n, want = lcfg.group_size, lcfg.prompts_per_step
+        kept: list[ScoredBatch] = []
+        kept_examples: list = []
+        num_kept = rounds = dropped = generated = 0
+        while num_kept < want and rounds < lcfg.dynamic_sampling_max_rounds:
+            examples, positions = run.stream.take(want - num_kept)
+            prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
+            batch = run.sampler.generate(prompts, n, generator=run.generator, policy_version=trainer_version)
+            fault_point("generate")
+            scored = score_rollouts(run.task, run.tokenizer, batch, examples, n, positions)
+            rounds += 1
+            generated += len(scored)
+            keep = (~constant_groups(scored)).nonzero().flatten().tolist()   # group g = rows g*n .. g*n+n-1
+            dropped += len(examples) - len(keep)
+            if keep:
+                rows = [g * n + j for g in keep for j in range(n)]
+                kept.append(scored.select(rows))
+                kept_examples.extend(examples[g] for g in keep)
+                num_kept += len(keep)
+        self.generated_rollouts += generated
+        self.dropped_groups += dropped
+        if not kept:
+            raise DynamicSamplingError(
+                f"dynamic sampling kept no group in {rounds} rounds (loop.dynamic_sampling_max_rounds): every group "
+                f"of {n} completions had equal rewards ({generated} rollouts generated); the task is too easy or "
+                "too hard for the model, or the reward is constant. Raise the cap, change the task, or set "
+                "loop.dynamic_sampling=false")
+        tok = run.tokenizer
+        out = concat_batches(kept, int(tok.pad_token_id if tok.pad_token_id is not None else tok.eos_token_id))
+        if len(kept) > 1:   # concat offsets group ids per chunk; renumber them 0..G-1 for the trainer
+            out = replace(out, group_ids=torch.arange(num_kept).repeat_interleave(n))
+        self.trained_rollouts += len(out)
+        metrics = {"dynamic/generated_rollouts": float(self.generated_rollouts),
+                   "dynamic/trained_rollouts": float(self.trained_rollouts),
+                   "dynamic/kept_groups": float(num_kept), "dynamic/dropped_groups": float(dropped),
+                   "dynamic/rounds": float(rounds), "dynamic/keep_rate": num_kept / max(num_kept + dropped, 1),
+                   "dynamic/short_step": float(num_kept < want)}
+        return SourceBatch(out, metrics=metrics, examples=tuple(kept_examples))
+
+    def summary(self) -> dict[str, Any]:
+        return {"dynamic_sampling": self.state_dict()}
+
+
+def build_sync_source(run) -> SyncSource:
+    """The sync loop's source: episodes for a task with an environment (`task.env.name`), DAPO's dynamic
+    sampling with `loop.dynamic_sampling`, else plain completions."""
+    episodes = getattr(run.task, "environment", None) is not None
+    if episodes and run.cfg.loop.dynamic_sampling:
+        raise ValueError("loop.dynamic_sampling is not available for multi-turn episodes (task.env.name) yet")
+    if episodes:
+        return EpisodeSource(run)
+    return DynamicSamplingSource(run) if run.cfg.loop.dynamic_sampling else SyncSource(run)

@@ -120,6 +120,8 @@ def _trim(mb: RolloutBatch) -> RolloutBatch:
         upd["sampler_topk_ids"] = mb.sampler_topk_ids[:, :t]
     if mb.sampler_topk_logprobs is not None:
         upd["sampler_topk_logprobs"] = mb.sampler_topk_logprobs[:, :t]
+    if mb.loss_mask is not None:
+        upd["loss_mask"] = mb.loss_mask[:, :t]
     return replace(mb, **upd)
 
 
@@ -223,7 +225,7 @@ class Trainer:
         device = self.params[0].device
         batch = _to_device(batch, device)
         rows, width = batch.response_ids.shape
-        mask = batch.response_mask.float()
+        mask = batch.train_mask.float()   # model tokens only: the normaliser, corrections and metrics
         lr = self.lr_at(self.rollouts, rows)
         metrics = batch_metrics(batch)
         self.rollouts += rows
@@ -317,10 +319,10 @@ class Trainer:
                 (loss if par is None else loss * par.world).backward()
                 self._hooked = None
             if micro is not None and not idle:
-                micro.after_backward(mb.response_mask, hooked=hooked)
+                micro.after_backward(mb.train_mask, hooked=hooked)
             fault_point("backward")  # reliability tests: COVRL_FAULT (no-op otherwise)
             loss_total += 0.0 if idle else float(loss.detach())
-            share = 0.0 if idle else float(mb.response_mask.sum()) / float(mask.sum())   # idle: keys, no weight
+            share = 0.0 if idle else float(mb.train_mask.sum()) / float(mask.sum())   # idle: keys, no weight
             fold_micro_metrics(loss_metrics, mb_metrics, share, idle or share == 0.0)   # no tokens: no extremes
         if par is not None:
             loss_total, bad, loss_metrics = self._reduce_pieces(par, [full_lp, full_ent, full_sps], pieces,
@@ -463,7 +465,7 @@ class Trainer:
         """Correction and advantages of a micro-batch that holds whole groups (their metrics come later, once,
         on the full batch)."""
         alg = self.algorithm
-        mask = mb.response_mask.float()
+        mask = mb.train_mask.float()
         lp = fwd.logprobs.detach()
         corr = alg.correct(lp, mb.sampler_logprobs.float(), mask, with_metrics=False)
         weights = alg.is_weights(corr)
@@ -498,7 +500,7 @@ class Trainer:
         if par is not None:
             both = par.all_reduce(torch.stack([lp, sps]))
             lp, sps = both[0], both[1]
-        mask = batch.response_mask.float()
+        mask = batch.train_mask.float()
         corr = alg.correct(lp, batch.sampler_logprobs.float(), mask)
         weights = alg.is_weights(corr)
         adv = alg.advantages(rewards=rewards, mask=mask, group_ids=batch.group_ids, logprobs=lp, sum_pi_sq=sps,
@@ -543,7 +545,7 @@ class Trainer:
             metrics["loss/score_centering"] = float(sc_loss.detach())
         kl = self.cfg.kl
         if ref_lp is not None and kl.mode == "loss":
-            mask = mb.response_mask.float()
+            mask = mb.train_mask.float()
             k = kl_estimate(fwd.logprobs, ref_lp, kl.kind, straight_through=kl.straight_through) * mask
             kl_loss = kl.coef * self._global(k, idx, full_mask)
             loss = loss + kl_loss
@@ -562,7 +564,7 @@ class Trainer:
         sum over the full width, and the pre-pass (other chunks, no grad) can differ from the step's forward by
         rounding. In those cases the correction / estimator runs once more on the full batch."""
         alg = self.algorithm
-        mask = batch.response_mask.float()
+        mask = batch.train_mask.float()
         q = batch.sampler_logprobs.float()
         m: dict[str, float] = {"entropy": masked_mean(ent, mask)}
         if prepass is not None and torch.equal(prepass.logprobs, lp) and torch.equal(prepass.sum_pi_sq, sps):
@@ -621,7 +623,7 @@ class Trainer:
 def batch_metrics(batch: ScoredBatch) -> dict[str, float]:
     """Reward, accuracy, pass@n, response length and zero-variance-group statistics of a scored batch.
     Accuracy and pass@n need `batch.correct` (per row, from `task.score`)."""
-    mask = batch.response_mask.float()
+    mask = batch.train_mask.float()   # model tokens (an episode's tool results are not the model's length)
     lengths = mask.sum(1)
     rewards = batch.rewards.float()
     seq_rewards = rewards if rewards.dim() == 1 else (rewards * mask).sum(1)

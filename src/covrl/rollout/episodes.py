@@ -1,0 +1,176 @@
+"""Multi-turn episodes through any sampler: environments (covrl.tasks.environments) answer each assistant turn,
+and the batch carries which response tokens are the model's.
+
+Per episode the context is a list of token ids that only grows: the opening prompt, then per turn the tokens
+the sampler drew (up to its end-of-turn token) and the environment's reply as a token delta
+(covrl.tasks.render.delta_ids). The next turn's prompt IS that list, so the trainer's sequence is, token for
+token, what the sampler conditioned on (no re-tokenisation between turns). In the RolloutBatch:
+
+    prompt_ids        the opening prompt
+    response_ids      every later token: model turns and environment replies, in order
+    response_mask     1 on all of them (the trainer's forward attends to the replies)
+    loss_mask         1 on model tokens only: the loss, its normaliser, corrections and mismatch metrics
+    sampler_logprobs  log q of model tokens; 0 on environment tokens (nothing was sampled there)
+
+An episode ends when the environment says done, at `max_turns`, when a turn ends without an end-of-turn token
+(the response hit sampler.max_new_tokens), or when the next turn would not fit the model's context."""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from covrl.rollout.types import RolloutBatch, RolloutTiming, ScoredBatch
+from covrl.tasks.render import delta_ids, prompt_ids
+
+__all__ = ["Episode", "EpisodeBatch", "generate_episodes", "score_episodes"]
+
+
+@dataclass
+class Episode:
+    """One episode's tokens (flat lists over the response) and outcome."""
+
+    prompt: list[int]
+    tokens: list[int]
+    model: list[int]              # 1 = the model's token
+    logq: list[float]
+    final_text: str = ""          # the last assistant message (what the task scores)
+    reward: float | None = None   # set by the environment, else the task scores final_text
+    turns: int = 0
+    end: str = "done"             # done | max_turns | length | context | error
+    env_metrics: dict | None = None
+
+
+@dataclass(frozen=True)
+class EpisodeBatch:
+    batch: RolloutBatch
+    episodes: list[Episode]
+
+
+def _fits(sampler, length: int) -> bool:
+    context = getattr(sampler, "context", None)
+    return not context or length + sampler.cfg.max_new_tokens <= context
+
+
+def generate_episodes(sampler, tokenizer, make_env: Callable, examples: list, n: int, *,
+                      generator: torch.Generator, chat_template: bool, max_turns: int,
+                      policy_version: int | None = None, greedy: bool = False) -> EpisodeBatch:
+    """n episodes per example (rows [e0 x n, e1 x n, ...], group ids = example index), one environment from
+    `make_env()` each; every turn generates for all live episodes in one `sampler.generate` call."""
+    envs = [make_env() for _ in examples for _ in range(n)]
+    row_examples = [ex for ex in examples for _ in range(n)]
+    episodes = []
+    for env, ex in zip(envs, row_examples):
+        ids = prompt_ids(tokenizer, env.reset(ex), list(getattr(env, "tools", []) or []), chat_template=chat_template)
+        episodes.append(Episode(prompt=ids, tokens=[], model=[], logq=[]))
+    eos = set(getattr(sampler, "eos_ids", None) or [tokenizer.eos_token_id])
+    timing = RolloutTiming()
+    live = list(range(len(episodes)))
+    for turn in range(max_turns):
+        if turn > 0:
+            for i in [i for i in live if not _fits(sampler, len(episodes[i].prompt) + len(episodes[i].tokens))]:
+                episodes[i].end = "context"
+            live = [i for i in live if episodes[i].end != "context"]
+        if not live:
+            break
+        out = sampler.generate([episodes[i].prompt + episodes[i].tokens for i in live], 1, generator=generator,
+                               policy_version=policy_version, greedy=greedy)
+        timing = timing + out.timing
+        still = []
+        for j, i in enumerate(live):
+            ep = episodes[i]
+            length = int(out.response_mask[j].sum())
+            toks = out.response_ids[j, :length].tolist()
+            ep.tokens += toks
+            ep.model += [1] * length
+            ep.logq += out.sampler_logprobs[j, :length].tolist()
+            ep.turns += 1
+            ep.final_text = tokenizer.decode(toks, skip_special_tokens=True)
+            if not toks or toks[-1] not in eos:
+                ep.end = "length"
+                continue
+            try:
+                step = envs[i].step(ep.final_text)
+            except Exception:  # noqa: BLE001 - a broken environment ends its episode at reward 0, counted
+                ep.end, ep.reward = "error", 0.0
+                continue
+            if step.done:
+                ep.reward = step.reward
+                continue
+            if turn == max_turns - 1:   # the model still wanted a tool: no final answer
+                ep.end, ep.reward = "max_turns", 0.0
+                continue
+            delta = delta_ids(tokenizer, step.messages, chat_template=chat_template)
+            ep.tokens += delta
+            ep.model += [0] * len(delta)
+            ep.logq += [0.0] * len(delta)
+            still.append(i)
+        live = still
+    for ep, env in zip(episodes, envs):
+        ep.env_metrics = env.metrics() if hasattr(env, "metrics") else {}
+    return EpisodeBatch(_assemble(episodes, n, sampler, tokenizer, policy_version, timing), episodes)
+
+
+def _assemble(episodes: list[Episode], n: int, sampler, tokenizer, policy_version, timing) -> RolloutBatch:
+    pad = getattr(sampler, "pad_id", None)
+    pad = pad if pad is not None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                       else tokenizer.eos_token_id)
+    B = len(episodes)
+    P = max(len(e.prompt) for e in episodes)
+    T = max(1, max(len(e.tokens) for e in episodes))
+    prompt_ids_ = torch.full((B, P), pad, dtype=torch.long)
+    prompt_mask = torch.zeros((B, P))
+    response_ids = torch.full((B, T), pad, dtype=torch.long)
+    response_mask = torch.zeros((B, T))
+    loss_mask = torch.zeros((B, T))
+    logq = torch.zeros((B, T))
+    for i, e in enumerate(episodes):
+        prompt_ids_[i, P - len(e.prompt):] = torch.tensor(e.prompt, dtype=torch.long)
+        prompt_mask[i, P - len(e.prompt):] = 1.0
+        L = len(e.tokens)
+        if L:
+            response_ids[i, :L] = torch.tensor(e.tokens, dtype=torch.long)
+            response_mask[i, :L] = 1.0
+            loss_mask[i, :L] = torch.tensor(e.model, dtype=torch.float32)
+            logq[i, :L] = torch.tensor(e.logq, dtype=torch.float32)
+    version = sampler.version if policy_version is None else int(policy_version)
+    return RolloutBatch(prompt_ids=prompt_ids_, prompt_mask=prompt_mask, response_ids=response_ids,
+                        response_mask=response_mask, sampler_logprobs=logq,
+                        group_ids=torch.arange(B // n).repeat_interleave(n),
+                        policy_version=torch.full((B,), version, dtype=torch.long), loss_mask=loss_mask,
+                        timing=timing)
+
+
+def score_episodes(task, tokenizer, episodes: EpisodeBatch, examples: list, n: int) -> ScoredBatch:
+    """The episodes' rewards (the environment's, else the task's reward of the final assistant message),
+    correctness (the task's grader where the task scored, else reward >= 1) and per-batch episode metrics
+    (task/turns, task/tool_calls, task/tool_call_rate, task/tool_errors, task/end_<reason>)."""
+    t0 = time.perf_counter()
+    eps = episodes.episodes
+    row_examples = [ex for ex in examples for _ in range(n)]
+    todo = [i for i, e in enumerate(eps) if e.reward is None]
+    rewards = [0.0 if e.reward is None else float(e.reward) for e in eps]
+    correct = [math.isfinite(r) and r >= 1.0 for r in rewards]
+    metrics: dict[str, float] = {}
+    if todo:
+        scored = task.score([eps[i].final_text for i in todo], [row_examples[i] for i in todo])
+        for k, i in enumerate(todo):
+            rewards[i], correct[i] = scored.rewards[k], scored.correct[k]
+        metrics.update({f"task/{k.split('/', 1)[-1]}": float(v) for k, v in scored.metrics.items()
+                        if k not in ("reward/mean", "reward/accuracy")})
+    B = max(len(eps), 1)
+    metrics["task/turns"] = sum(e.turns for e in eps) / B
+    calls = [float((e.env_metrics or {}).get("tool_calls", 0.0)) for e in eps]
+    metrics["task/tool_calls"] = sum(calls) / B
+    metrics["task/tool_call_rate"] = sum(c > 0 for c in calls) / B
+    metrics["task/tool_errors"] = sum(float((e.env_metrics or {}).get("tool_errors", 0.0)) for e in eps) / B
+    for reason in ("max_turns", "length", "context", "error"):
+        metrics[f"task/end_{reason}"] = sum(e.end == reason for e in eps) / B
+    batch = episodes.batch
+    texts = [tokenizer.decode(e.tokens, skip_special_tokens=True) for e in eps]
+    return batch.scored(torch.tensor(rewards, dtype=torch.float32), correct=correct, texts=texts,
+                        task_metrics=metrics, score_s=time.perf_counter() - t0)

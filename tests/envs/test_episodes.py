@@ -1,0 +1,139 @@
+"""Episodes through the hf sampler on the tiny model: the trainer's tokens are the sampler's across 3+ turns,
+environment tokens are context only (masked out of the loss, no sampler log-prob), the normaliser counts
+model tokens, and the tiny tool preset runs end to end via prepare_run + run_loop."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
+from train_helpers import tiny_cfg  # noqa: E402
+
+import covrl.train.trainer as trainer_mod  # noqa: E402
+from covrl.rollout.episodes import generate_episodes, score_episodes  # noqa: E402
+from covrl.tasks import environments  # noqa: E402
+from covrl.tasks.environments import EnvStep  # noqa: E402
+from covrl.train.loop import run_loop  # noqa: E402
+from covrl.train.run import prepare_run  # noqa: E402
+from covrl.train.sinks import read_jsonl  # noqa: E402
+from covrl.train.sources import EpisodeSource, build_sync_source  # noqa: E402
+from covrl.train.trainer import forward_response  # noqa: E402
+
+torch.set_num_threads(1)
+
+
+class Echo:
+    """Replies to every assistant message for `turns` turns, then ends the episode with reward 1."""
+
+    tools: list = []
+
+    def __init__(self, turns: int = 4):
+        self.turns, self.seen = turns, 0
+
+    def reset(self, example):
+        return [{"role": "user", "content": example.plain_prompt}]
+
+    def step(self, text):
+        self.seen += 1
+        if self.seen >= self.turns:
+            return EnvStep(done=True, reward=1.0)
+        return EnvStep([{"role": "tool", "content": f"r{self.seen}"}])
+
+
+@pytest.fixture
+def echo_env(monkeypatch):
+    monkeypatch.setitem(environments.ENVIRONMENTS, "echo", lambda task, cfg: lambda: Echo())
+    return "echo"
+
+
+def _run(tmp_path, env_name, **over):
+    cfg = tiny_cfg(tmp_path, **{"task.env.name": env_name, "task.env.max_turns": 4, "model.tiny.max_positions": 160,
+                                "sampler.max_new_tokens": 8, "sft_warmup.steps": 0, **over})
+    return prepare_run(cfg, console=False)
+
+
+def test_episode_tokens_are_the_samplers_across_turns(tmp_path, echo_env):
+    run = _run(tmp_path, echo_env, **{"run.name": "bytes"})
+    sampler, tok = run.sampler, run.tokenizer
+    # stop on common characters too, so that random-weight turns end and episodes reach 3+ turns
+    sampler.eos_ids = sorted(set(sampler.eos_ids) | set(tok("abcdefghijklmnopqrstuvwxyz")["input_ids"]))
+    seen: list[list[list[int]]] = []
+    generate = sampler.generate
+
+    def recording(prompts, n, **kw):
+        out = generate(prompts, n, **kw)
+        seen.append([list(p) + out.response_ids[j, :int(out.response_mask[j].sum())].tolist()
+                     for j, p in enumerate(prompts)])
+        return out
+
+    sampler.generate = recording
+    examples = run.task.train[:3]
+    eb = generate_episodes(sampler, tok, run.task.environment, examples, 4, generator=torch.Generator().manual_seed(0),
+                           chat_template=False, max_turns=4)
+    b = eb.batch
+    assert max(e.turns for e in eb.episodes) >= 3 and sum(e.turns >= 3 for e in eb.episodes) >= 2
+    # the trainer's sequence per row: prompt + response tokens with mask 1
+    rows = [b.prompt_ids[i][b.prompt_mask[i] > 0].tolist() + b.response_ids[i][b.response_mask[i] > 0].tolist()
+            for i in range(len(b))]
+    for i, ep in enumerate(eb.episodes):
+        # every turn's (context + drawn tokens) is a prefix of the trainer's row, in order: nothing re-tokenised
+        live_prefixes = [seq for call in seen for seq in call if rows[i][:len(seq)] == seq]
+        assert len(live_prefixes) >= ep.turns
+        assert rows[i] == ep.prompt + ep.tokens
+    # the sequence the sampler drew its last turn from, plus that turn, IS the row (byte for byte)
+    longest = max(range(len(b)), key=lambda i: eb.episodes[i].turns)
+    assert any(seq == rows[longest] for call in seen for seq in call)
+    # masks: env tokens are context (response_mask 1) but not the model's (loss_mask 0, log-prob 0)
+    env_tok = (b.response_mask > 0) & (b.loss_mask == 0)
+    assert env_tok.any() and torch.all(b.sampler_logprobs[env_tok] == 0)
+    assert torch.all(b.loss_mask <= b.response_mask)
+    assert "r1" in tok.decode(b.response_ids[longest][env_tok[longest]].tolist())
+    # the trainer's log-probs of the model tokens equal the sampler's (same fp32 weights, same context)
+    fwd = forward_response(run.model, b, 1.0)
+    model_tok = b.loss_mask > 0
+    assert torch.allclose(fwd.logprobs[model_tok], b.sampler_logprobs[model_tok], atol=1e-4)
+
+    scored = score_episodes(run.task, tok, eb, examples, 4)
+    captured = []
+    real = trainer_mod.aggregate
+
+    def spy(loss, mask, mode):
+        captured.append(mask.clone())
+        return real(loss, mask, mode)
+
+    trainer_mod.aggregate = spy
+    try:
+        result = run.trainer.step(scored)
+    finally:
+        trainer_mod.aggregate = real
+    assert captured and all(torch.equal(m, b.loss_mask) for m in captured)   # the normaliser: model tokens
+    assert result.metrics["response_tokens"] == float(b.loss_mask.sum()) < float(b.response_mask.sum())
+    run.close()
+
+
+def test_tiny_tool_preset_runs_end_to_end(tmp_path, echo_env):
+    # the add tool on the tiny char model (plain prompts), 2 RL steps, evaluations with episodes
+    run = _run(tmp_path, "add", **{"run.name": "tool", "loop.steps": 2, "algorithm.advantage": "otb_tir"})
+    assert isinstance(build_sync_source(run), EpisodeSource)
+    summary = run_loop(run, build_sync_source(run))
+    run.close()
+    assert summary["status"] == "completed"
+    records = read_jsonl(tmp_path / "tool" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        assert {"task/turns", "task/tool_call_rate", "task/tool_calls"} <= set(r)
+    evals = run.evals
+    assert "tool_call_rate" in evals[0]["greedy"] and len(evals) == 2
+    # the multi-turn echo environment through the same loop: the step counts model tokens only
+    run = _run(tmp_path, echo_env, **{"run.name": "echo", "loop.steps": 2, "eval.before": False,
+                                      "eval.after": False, "algorithm.advantage": "otb_tir"})
+    run.sampler.eos_ids = sorted(set(run.sampler.eos_ids) | set(run.tokenizer("abcdefghijklm")["input_ids"]))
+    run_loop(run, build_sync_source(run))
+    run.close()
+    records = read_jsonl(tmp_path / "echo" / "metrics.jsonl")
+    assert all(r["task/turns"] > 1.5 for r in records)
+    assert all(r["response_tokens"] < r["batch_rows"] * 8 * r["task/turns"] + 1 for r in records)
