@@ -74,3 +74,10 @@ def test_time_to_accuracy_quick_evaluates_both_sides(tmp_path, cache_dir):
         assert info["steps"] == 2
         assert len(info["evals"]) == 2 and all(0.0 <= e["accuracy"] <= 1.0 for e in info["evals"])
         assert info["accuracy_before"] is not None
+
+
+def test_distributed_quick_times_every_setup(tmp_path, cache_dir):
+    res = run_bench("distributed", tmp_path, cache_dir)
+    assert [r["setup"] for r in res["setups"]] == ["1x1", "2x1 ddp", "2x1 ddp-no-sync", "2x1 fsdp2"]
+    assert all(r["step_s"] > 0 and r["speedup_vs_1x"] > 0 for r in res["setups"])
+    assert res["communication"]["grad_numel"] > 0 and res["communication"]["allreduce_grad_s"] > 0

@@ -13,6 +13,7 @@ import torch.distributed as dist
 from train_helpers import synthetic_batch, tiny_cfg
 
 from covrl.models import tiny_llama
+from covrl.models.loading import apply_lora
 from covrl.train.trainer import Trainer
 
 STEPS = 3
@@ -34,7 +35,15 @@ CASES: dict[str, tuple[dict, dict]] = {
     "rank-without-tokens": ({}, {"groups": 2, "empty_group": 0}),
     # one group: rank 0 gets no rows
     "rank-without-rows": ({"algorithm.agg_mode": "seq-mean-token-sum"}, {"groups": 1}),
+    # peft LoRA adapters on q/v (frozen base weights beside trainable adapters in the wrapped module)
+    "lora": ({"model.lora": "{rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}"}, {}),
+    # the gradient-noise split (ddp: from each rank's gradient before the all-reduce; fsdp2 logs none). One
+    # micro-batch per group: the ranks' micro-batches [g0] | [g1] [g2] are one process's, the same estimate
+    "noise-micro": ({"logging.noise_scale": True, "optim.micro_batch_size": 4, "optim.max_grad_norm": None}, {}),
+    # one micro-batch per rank: one process halves the batch [g0 g1] | [g2], the ranks split it [g0] | [g1 g2]
+    "noise-shards": ({"logging.noise_scale": True, "optim.max_grad_norm": None}, {}),
 }
+NOISE_SAME_SPLIT = {"noise-micro"}   # cases whose noise/* metrics equal one process's
 
 
 def make_model(seed=0):
@@ -61,6 +70,10 @@ def run_case(name: str, parallel: str = "none") -> dict:
     over, batch_opts = CASES[name]
     cfg = tiny_cfg(**{"logging.noise_scale": False, "trainer.parallel": parallel, **over})
     model = make_model(seed=0)
+    if cfg.model.lora is not None:
+        with torch.random.fork_rng():   # the same adapter init in every process
+            torch.manual_seed(0)
+            model = apply_lora(model, cfg.model.lora)
     trainer = Trainer(model, cfg)
     metrics = [dict(trainer.step(b).metrics) for b in case_batches(batch_opts)]
     return {"metrics": metrics, "weights": {k: v.detach().clone() for k, v in _full_state(trainer).items()}}

@@ -9,8 +9,9 @@ import socket
 import pytest
 import torch
 import torch.multiprocessing as mp
-from dist_cases import CASES, run_case, spawn_worker
-from train_helpers import TIME_KEYS, TIME_PREFIXES
+from dist_cases import CASES, NOISE_SAME_SPLIT, case_batches, run_case, spawn_worker
+from test_trainer_noise import brute_force
+from train_helpers import TIME_KEYS, TIME_PREFIXES, tiny_cfg
 
 from covrl.train.distributed import shard_rows
 
@@ -63,8 +64,12 @@ def test_world2_equals_one_process(world2, one_process, mode, name):
     assert max(max_abs_diffs(dist0["weights"], dist1["weights"]).values()) == 0.0   # ranks agree exactly
     for step, (ms, md) in enumerate(zip(single["metrics"], dist0["metrics"])):
         assert md["skipped"] == ms["skipped"] == 0.0, (step, md.get("skipped"))
-        keys = {k for k in ms if not k.startswith(TIME_PREFIXES) and k not in TIME_KEYS}
-        assert keys == {k for k in md if not k.startswith(TIME_PREFIXES) and k not in TIME_KEYS}
+        keys, dkeys = ({k for k in m if not k.startswith(TIME_PREFIXES) and k not in TIME_KEYS and (
+            not k.startswith("noise/") or (mode == "ddp" and (name in NOISE_SAME_SPLIT or k.startswith(
+                "noise/signal"))))} for m in (ms, md))
+        # fsdp2 logs no noise split; another split of the batch shares only the full gradient's norm (signal)
+        assert keys == dkeys, sorted(keys ^ dkeys)
+        assert mode == "fsdp2" or not name.startswith("noise") or "noise/signal" in dkeys
         for k in sorted(keys):
             assert md[k] == pytest.approx(ms[k], rel=METRIC_RTOL, abs=METRIC_ATOL), (name, step, k, ms[k], md[k])
 
@@ -78,3 +83,19 @@ def test_shards_are_whole_groups_balanced_by_rows():
     gids = torch.arange(8).repeat_interleave(4)
     shards = [shard_rows(gids, 4, r) for r in range(4)]
     assert sorted(sum(shards, [])) == list(range(32)) and all(len(s) == 8 for s in shards)
+
+
+def test_ddp_noise_split_is_the_estimate_on_the_ranks_shards(world2):
+    """noise-shards: one process halves its single micro-batch as [g0 g1] | [g2]; under ddp the small batches
+    are the ranks' micro-batches [g0] | [g1 g2], each rank's gradient read in DDP's comm hook before the
+    all-reduce. Its first-step split equals brute force (each part's own gradient, one process) on that
+    partition; with the same partition it equals one process (`noise-micro` in the test above)."""
+    over, opts = CASES["noise-shards"]
+    cfg = tiny_cfg(**over)
+    batch = case_batches(opts)[0]
+    expected, _ = brute_force(cfg, batch, [shard_rows(batch.group_ids, 2, r) for r in (0, 1)],
+                              cfg.algorithm.agg_mode)
+    got = world2["ddp"][0]["noise-shards"]["metrics"][0]
+    assert abs(expected.trace_sigma) > 1e-6
+    for key in ("trace_sigma", "grad_sq", "signal", "power", "noise"):
+        assert got[f"noise/{key}"] == pytest.approx(getattr(expected, key), rel=1e-3, abs=1e-9), key

@@ -1,6 +1,7 @@
-"""`torchrun --nproc-per-node 2 -m covrl train ... trainer.parallel=ddp` end to end on the tiny model: the run
-completes, rank 0 owns the folder, and a checkpoint of the 2-rank run resumes on one process (2 -> 1) to the
-same weights and optimizer state as a straight one-process run."""
+"""`torchrun --nproc-per-node 2 -m covrl train ... trainer.parallel=ddp|fsdp2` end to end on the tiny model: the
+run completes, rank 0 owns the folder, and a checkpoint of the 2-rank run (DDP: the single-file path; FSDP2:
+torch.distributed.checkpoint shards in dcp/) resumes on one process (2 -> 1) to the same weights and optimizer
+state as a straight one-process run."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import shutil
 import socket
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -38,14 +40,16 @@ def _port() -> int:
         return s.getsockname()[1]
 
 
-def _covrl(args, *, ranks: int | None, cwd: Path) -> subprocess.CompletedProcess:
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
+def _covrl(args, *, ranks: int | None, cwd: Path, env: dict | None = None,
+           timeout: float = 300) -> subprocess.CompletedProcess:
+    env = {**os.environ, **(env or {}), "OMP_NUM_THREADS": "1", "MASTER_ADDR": "127.0.0.1",
            "PYTHONPATH": os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"),
                                           os.environ.get("PYTHONPATH", "")])}
     head = [sys.executable, "-m", "covrl"] if ranks is None else [
         TORCHRUN, "--nproc-per-node", str(ranks), "--master-addr", "127.0.0.1", "--master-port", str(_port()),
         "-m", "covrl"]
-    return subprocess.run([*head, "train", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run([*head, "train", *args], cwd=cwd, env=env, capture_output=True, text=True,
+                          timeout=timeout)
 
 
 def _final(run_dir: Path):
@@ -54,22 +58,65 @@ def _final(run_dir: Path):
     return load_file(str(path / "model" / "model.safetensors")), state["optimizer"]["state"], state["rollouts"]
 
 
+@pytest.fixture(scope="module")
+def straight(tmp_path_factory):
+    """A straight one-process run of 3 steps: its final weights, Adam state and data clock."""
+    tmp_path = tmp_path_factory.mktemp("straight")
+    run = _covrl(["--config", str(CONFIG), *OVERRIDES, f"run.output_dir={tmp_path}", "loop.steps=3", "--name",
+                  "one"], ranks=None, cwd=tmp_path)
+    assert run.returncode == 0, run.stderr[-3000:]
+    return _final(tmp_path / "one")
+
+
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
-def test_torchrun_ddp_run_resumes_on_one_process(tmp_path):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_torchrun_run_resumes_on_one_process(tmp_path, straight, mode):
     base = ["--config", str(CONFIG), *OVERRIDES, f"run.output_dir={tmp_path}"]
-    two = _covrl([*base, "loop.steps=2", "trainer.parallel=ddp", "--name", "two"], ranks=2, cwd=tmp_path)
+    two = _covrl([*base, "loop.steps=2", f"trainer.parallel={mode}", "--name", "two"], ranks=2, cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     assert two.stdout.count("run folder:") == 1    # only rank 0 speaks
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 2
+    assert (ckpt.latest_checkpoint(tmp_path / "two") / ckpt.DCP_DIR).is_dir() == (mode == "fsdp2")
     resumed = _covrl(["--resume", "--name", str(tmp_path / "two"), "loop.steps=3", "trainer.parallel=none"],
                      ranks=None, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    straight = _covrl([*base, "loop.steps=3", "--name", "one"], ranks=None, cwd=tmp_path)
-    assert straight.returncode == 0, straight.stderr[-3000:]
     w2, opt2, r2 = _final(tmp_path / "two")
-    w1, opt1, r1 = _final(tmp_path / "one")
+    w1, opt1, r1 = straight
     assert r1 == r2 == 48
     weight_diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
     moment_diff = max(float((opt1[i][s] - opt2[i][s]).abs().max()) for i in opt1 for s in ("exp_avg", "exp_avg_sq"))
+    assert weight_diff <= 5e-6 and moment_diff <= 1e-6, (weight_diff, moment_diff)
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
+def test_killed_rank_stops_the_run_and_resume_loses_nothing(tmp_path, straight):
+    """Rank 1 SIGKILLs itself mid-step 3 (in its backward; COVRL_FAULT_RANK=1), after the checkpoint of step 2:
+    the 2-rank run ends on its own well inside the timeout, torchrun's report names the killed rank, rank 0
+    records exit code 6 (another rank died) in summary.json, and `--resume` on one process redoes step 3 from
+    that checkpoint to the straight one-process run's weights and Adam state."""
+    base = ["--config", str(CONFIG), *OVERRIDES, f"run.output_dir={tmp_path}", "loop.steps=3"]
+    t0 = time.perf_counter()
+    run = _covrl([*base, "checkpoint.every_rollouts=32", "trainer.parallel=ddp", "trainer.timeout_s=60", "--name",
+                  "killed"], ranks=2, cwd=tmp_path, env={"COVRL_FAULT": "backward:3", "COVRL_FAULT_RANK": "1"},
+                 timeout=90)   # a hang would raise TimeoutExpired
+    elapsed = time.perf_counter() - t0
+    assert run.returncode == 1, (run.returncode, run.stderr[-3000:])   # torchrun: a child failed
+    assert "rank      : 1" in run.stderr and "(SIGKILL)" in run.stderr      # its report: the root cause
+    assert "another rank died (exit code 6)" in run.stderr
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert summary["status"] == "failed" and summary["exit_code"] == 6, summary
+    latest = ckpt.latest_checkpoint(tmp_path / "killed")
+    assert latest.name == ckpt.checkpoint_name(32)
+    resumed = _covrl(["--resume", "--name", str(tmp_path / "killed"), "trainer.parallel=none"], ranks=None,
+                     cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    steps = [json.loads(line)["step"] for line in (tmp_path / "killed" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3]   # step 3 once: the killed attempt's partial step left nothing behind
+    w2, opt2, r2 = _final(tmp_path / "killed")
+    w1, opt1, r1 = straight
+    assert r1 == r2 == 48
+    weight_diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+    moment_diff = max(float((opt1[i][s] - opt2[i][s]).abs().max()) for i in opt1 for s in ("exp_avg", "exp_avg_sq"))
+    print(f"killed run stopped after {elapsed:.1f} s; resumed vs straight: {weight_diff:.2g} / {moment_diff:.2g}")
     assert weight_diff <= 5e-6 and moment_diff <= 1e-6, (weight_diff, moment_diff)

@@ -8,4 +8,5 @@ BENCHES: dict[str, str] = {
     "step": "covrl.bench.step_bench",
     "async": "covrl.bench.async_bench",
     "explore": "covrl.bench.explore_bench",
+    "distributed": "covrl.bench.distributed_bench",
 }

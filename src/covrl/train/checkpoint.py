@@ -1,6 +1,9 @@
 """Checkpoints: atomic writes, latest-complete lookup, RNG capture, model weights round trip.
 
-Layout: `<run>/checkpoints/ckpt-<rollouts:09d>/{model/, trainer_state.pt, COMPLETE}`. A checkpoint is written
+Layout: `<run>/checkpoints/ckpt-<rollouts:09d>/{model/, trainer_state.pt, COMPLETE}`, plus `dcp/` for a
+sharded (FSDP2) trainer: its weights and optimizer state as torch.distributed.checkpoint shards, every rank
+writing its own into the same (shared) folder; `model/` then holds the full weights gathered on rank 0 (the
+export that eval and the sampler read) and trainer_state.pt names `dcp/` in place of the optimizer state. A checkpoint is written
 into a hidden temporary folder, the COMPLETE marker is written last, then the folder is renamed into place, so
 a kill at any moment leaves either no new checkpoint or a complete one (the previous one stays usable). A
 complete checkpoint that does not load (damaged later: truncated weights or state) is skipped by resume for the
@@ -27,6 +30,8 @@ from covrl.train.faults import fault_point
 COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
+DCP_DIR = "dcp"
+DCP_KEY = "dcp"   # trainer_state's {"dcp": folder} in place of a state kept in the shards
 PREFIX = "ckpt-"
 
 
@@ -71,9 +76,10 @@ def _unwrap_peft(model):
     return hasattr(model, "peft_config") and hasattr(model, "get_base_model")
 
 
-def save_model(model, directory: Path, tokenizer=None) -> None:
+def save_model(model, directory: Path, tokenizer=None, weights: dict[str, torch.Tensor] | None = None) -> None:
     """`save_pretrained` (safetensors); LoRA models save their adapters. The tokenizer goes alongside so the
-    folder can be loaded with `model.source=hf model.path=<folder>`."""
+    folder can be loaded with `model.source=hf model.path=<folder>`. `weights`: the full state dict to write
+    in place of the model's own (a sharded model's, gathered)."""
     directory.mkdir(parents=True, exist_ok=True)
     try:  # transformers prints a shard progress bar on save; keep run logs clean
         from transformers.utils import logging as hf_logging
@@ -81,7 +87,7 @@ def save_model(model, directory: Path, tokenizer=None) -> None:
         hf_logging.disable_progress_bar()
     except ImportError:  # pragma: no cover
         pass
-    model.save_pretrained(str(directory), safe_serialization=True)
+    model.save_pretrained(str(directory), safe_serialization=True, state_dict=weights)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))
 
@@ -188,8 +194,12 @@ def set_aside(path: Path) -> Path:
 
 
 def save_checkpoint(run_dir: Path, name: str, *, model, state: dict[str, Any], tokenizer=None,
-                    info: dict[str, Any] | None = None, with_state: bool = True) -> Path:
-    """Write `<run>/checkpoints/<name>/` atomically (tmp folder, COMPLETE last, rename). Returns its path."""
+                    info: dict[str, Any] | None = None, with_state: bool = True,
+                    sharded: Callable[[Path], dict[str, torch.Tensor] | None] | None = None) -> Path:
+    """Write `<run>/checkpoints/<name>/` atomically (tmp folder, COMPLETE last, rename). Returns its path.
+    `sharded(folder)` (a sharded trainer's, a collective of every rank) writes the shards into `folder/dcp`
+    and returns the full weights for `model/`; the marker goes after it, so the shards are inside the
+    atomic checkpoint."""
     root = Path(run_dir) / "checkpoints"
     root.mkdir(parents=True, exist_ok=True)
     final = root / name
@@ -198,7 +208,8 @@ def save_checkpoint(run_dir: Path, name: str, *, model, state: dict[str, Any], t
         shutil.rmtree(tmp)
     tmp.mkdir()
     try:
-        save_model(model, tmp / MODEL_DIR, tokenizer)
+        weights = sharded(tmp) if sharded is not None else None
+        save_model(model, tmp / MODEL_DIR, tokenizer, weights)
         fault_point("checkpoint-write")  # reliability tests: COVRL_FAULT (no-op otherwise)
         if with_state:
             torch.save(state, tmp / STATE_FILE)
@@ -229,11 +240,17 @@ def load_state(path: Path) -> dict[str, Any]:
     if not is_complete(path):
         raise CheckpointError(f"{path} is not a complete checkpoint (no {COMPLETE} marker or {STATE_FILE})")
     try:
-        return torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
+        state = torch.load(path / STATE_FILE, weights_only=True, map_location="cpu")
     except Exception as err:  # torch's own message suggests weights_only=False: never for a file we cannot trust
         first = str(err).strip().splitlines()[0] if str(err).strip() else type(err).__name__
         raise CheckpointError(f"{path / STATE_FILE} is corrupt or holds more than tensors/numbers/strings "
                               f"({first[:200]}); it is not unpickled") from None
+    optimizer = state.get("trainer", {}).get("optimizer") if isinstance(state, dict) else None
+    if isinstance(optimizer, dict) and DCP_KEY in optimizer:   # the shards' folder, wherever the run now lives
+        if not (path / optimizer[DCP_KEY] / ".metadata").is_file():
+            raise CheckpointError(f"{path}: the sharded state {optimizer[DCP_KEY]}/ is missing or incomplete")
+        optimizer[DCP_KEY] = str(path / optimizer[DCP_KEY])
+    return state
 
 
 def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:

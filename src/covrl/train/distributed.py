@@ -13,6 +13,7 @@ import contextlib
 import datetime
 import os
 import socket
+import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -22,7 +23,8 @@ from pydantic import Field, field_validator
 
 from covrl.settings import Section
 
-__all__ = ["Channel", "Parallel", "TrainerConfig", "full_model_state", "init_process_group", "shard_rows"]
+__all__ = ["Channel", "Parallel", "TrainerConfig", "carry_optimizer_state", "full_model_state", "init_process_group",
+           "apply_optimizer_state", "load_sharded", "save_sharded", "shard_rows"]
 
 
 class TrainerConfig(Section):
@@ -106,7 +108,8 @@ class Parallel:
 
             for p in model.parameters():   # fully_shard does not broadcast: start every rank from rank 0's weights
                 dist.broadcast(p.data, src=0)
-            layers = getattr(getattr(model, "model", None), "layers", None)
+            base = model.get_base_model() if hasattr(model, "get_base_model") else model   # under peft's wrapper
+            layers = getattr(getattr(base, "model", None), "layers", None)
             for layer in layers if layers is not None else []:
                 fully_shard(layer)
             module = fully_shard(model)
@@ -140,9 +143,65 @@ def full_model_state(model) -> dict[str, torch.Tensor]:
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
 
 
+def save_sharded(model, optimizer, directory) -> None:
+    """Weights and optimizer state as torch.distributed.checkpoint shards in `directory` (a collective: every
+    rank writes its own shards; rank 0 the metadata, last). FQN-keyed, so any world size can load them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    msd, osd = get_state_dict(model, optimizer)
+    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(directory))
+
+
+def load_sharded(model, optimizer, directory, *, alone: bool) -> None:
+    """Load `save_sharded`'s folder into `model` and `optimizer` as they are now: fully_shard-ed (a collective,
+    each rank reads its shards) or plain (`alone`: this process reads the full tensors, no collective).
+    DCP reshards, so the saving world size does not matter; values are copied exactly."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    own = _kernel_flags(optimizer)
+    msd, osd = get_state_dict(model, optimizer)   # (creates the optimizer state to load into)
+    with warnings.catch_warnings():   # `alone` is meant: not DCP's "assuming a single process" warning
+        warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
+        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(directory), no_dist=alone)
+    set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
+    _set_kernel_flags(optimizer, own)
+
+
+def carry_optimizer_state(model, optimizer):
+    """The plain optimizer's state, FQN-keyed and full, to move onto the optimizer of the model once
+    fully_shard-ed (`apply_optimizer_state`): a resume from a one-process or DDP checkpoint (1 -> N)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+    return get_optimizer_state_dict(model, optimizer, options=StateDictOptions(full_state_dict=True))
+
+
+def apply_optimizer_state(model, optimizer, state) -> None:
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+    own = _kernel_flags(optimizer)
+    set_optimizer_state_dict(model, optimizer, state, options=StateDictOptions(full_state_dict=True))
+    _set_kernel_flags(optimizer, own)
+
+
+_KERNEL_FLAGS = ("fused", "foreach")
+
+
+def _kernel_flags(optimizer) -> list[dict]:
+    return [{k: g.get(k) for k in _KERNEL_FLAGS} for g in optimizer.param_groups]
+
+
+def _set_kernel_flags(optimizer, flags: list[dict]) -> None:
+    # a loaded param group brings the saver's kernel choice (FSDP2's DTensors: not fused); keep this one's
+    for group, own in zip(optimizer.param_groups, flags):
+        group.update(own)
+
+
 class Channel:
     """Rank 0 → every other rank: pickled commands over the default group (broadcast_object_list). In a run
-    the leader sends ("start", trainer state), then ("step", batch) per step, and ("stop", exit code)."""
+    the leader sends ("start", trainer state), then ("step", batch) per step, ("gather", _) / ("checkpoint",
+    folder) for FSDP2's weights and shards, and ("stop", exit code)."""
 
     def send(self, message: Any) -> None:
         if dist.get_world_size() > 1:

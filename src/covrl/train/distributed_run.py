@@ -16,24 +16,30 @@ as they are: they run on rank 0 only.
 
 from __future__ import annotations
 
+import contextlib
+import signal
+import sys
+
 import torch
 import torch.distributed as dist
 
 from covrl.models import load_model
 from covrl.train.distributed import Channel, full_model_state, init_process_group
-from covrl.train.run import resolve_device, seed_everything
+from covrl.train.run import mark_summary, resolve_device, seed_everything
 from covrl.train.runner import run_training
 from covrl.train.trainer import Trainer, TrainingDivergedError
 
-__all__ = ["follow", "train_distributed"]
+__all__ = ["PEER_DIED", "follow", "train_distributed"]
+
+PEER_DIED = 6   # rank 0's exit code when another rank died mid-run (covrl.train.runner's table)
 
 
 def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bool = False) -> int:
     """The exit code of this rank (rank 0: run_training's table; followers: rank 0's code, sent at stop)."""
     fsdp2 = cfg.trainer.parallel == "fsdp2"
-    if fsdp2 and (cfg.loop.mode != "sync" or cfg.checkpoint.at_end or cfg.checkpoint.every_rollouts):
-        raise ValueError("trainer.parallel=fsdp2 runs loop.mode=sync without checkpoints for now (set "
-                         "checkpoint.at_end=false; docs/distributed.md); trainer.parallel=ddp has both")
+    if fsdp2 and cfg.loop.mode != "sync":   # the async sampler thread's weight gather would race the step's collectives
+        raise ValueError("trainer.parallel=fsdp2 runs loop.mode=sync for now (docs/distributed.md); "
+                         "trainer.parallel=ddp runs the async loop too")
     if fsdp2:   # the sampler cannot run the sharded model: it keeps its own copy, fed by a gather
         cfg.sampler.share_weights = "never"
     rank, world = init_process_group(cfg.trainer, cfg.run.device)
@@ -43,21 +49,53 @@ def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bo
             return follow(cfg, channel)
         code = 1   # an exception escaping run_training (a traceback) still stops the followers
 
+        run_dirs = []
+
         def prepare(cfg, **kwargs):
             run = prepare_fn(cfg, **kwargs)
+            run_dirs.append(run.run_dir)
             channel.send(("start", run.trainer.state_dict()))   # a resumed optimizer / data clock too
             run.trainer.leader = channel
             if fsdp2:
                 run.sampler = _GatheringSampler(run.sampler, run.trainer, channel)
             return run
 
+        crash: BaseException | None = None
         try:
             code = run_training(cfg, prepare, train_fn, config_path=config_path, resume=resume)
+        except (RuntimeError, KeyboardInterrupt) as err:   # a collective's error, or SIGTERM during its handling
+            crash = err
+        # when a rank dies, the survivor's collective raises and torchrun's agent SIGTERMs it, in either order,
+        # possibly while the lines above handle the first: finish the bookkeeping undisturbed
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if world > 1 else None
+        try:
+            lost = _stop(channel, code)
+            if lost is not None and run_dirs:   # the group is broken: whatever came first, a rank died
+                code, crash = PEER_DIED, None
+                mark_summary(run_dirs[0], "failed", exit_code=code, reason=(
+                    f"another rank died or became unreachable mid-run (the process group broke: {lost}); "
+                    f"resume with: covrl train --resume --name {run_dirs[0]}"))
+                print(f"covrl train: another rank died (exit code {code}); resume with: covrl train --resume "
+                      f"--name {run_dirs[0]}", file=sys.stderr)
         finally:
-            channel.send(("stop", code))
+            if previous is not None:
+                signal.signal(signal.SIGTERM, previous)
+        if crash is not None:
+            raise crash
         return code
     finally:
-        dist.destroy_process_group()
+        with contextlib.suppress(RuntimeError):   # a group with a dead rank cannot always be torn down cleanly
+            dist.destroy_process_group()
+
+
+def _stop(channel: Channel, code: int) -> str | None:
+    """Tell the followers to stop. None when they heard it; else why not (a dead rank broke the group: there is
+    nobody to tell, and the run's exit code must not become this collective's traceback)."""
+    try:
+        channel.send(("stop", code))
+    except RuntimeError as err:   # gloo / nccl: a peer's connection reset or a timeout
+        return str(err).splitlines()[0][:200] if str(err).strip() else type(err).__name__
+    return None
 
 
 def follow(cfg, channel: Channel) -> int:
@@ -77,6 +115,8 @@ def follow(cfg, channel: Channel) -> int:
             trainer.load_state_dict(payload)
         elif kind == "gather":
             full_model_state(trainer.model)
+        elif kind == "checkpoint":    # rank 0 writes the folder's other files and the COMPLETE marker
+            trainer.save_sharded(payload)
         elif kind == "step":
             try:
                 trainer.step(payload)

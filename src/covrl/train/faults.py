@@ -6,6 +6,8 @@ The hooks are inert unless the environment asks for a fault, so production runs 
         at the n-th call of `fault_point(point)` in this process (n >= 1), do <action>:
           kill    (default) SIGKILL this process: no cleanup, no atexit, no flush -- what `kill -9` does
           enospc  raise OSError(ENOSPC, "No space left on device") at that spot (a full disk)
+    COVRL_FAULT_RANK=<k>
+        only the process whose RANK (torchrun's environment) is k injects: one rank of a distributed run dies
     COVRL_FAULT_TRACE=<file>
         append one line "<pid> <point> <hit>" per hit (before the action), so a test can count how many
         times a point is reached in an uninterrupted run and then draw a kill point among them.
@@ -30,9 +32,10 @@ import errno
 import os
 import signal
 
-__all__ = ["ACTIONS", "ENV", "POINTS", "TRACE_ENV", "FaultSpecError", "fault_point", "parse_spec", "reset"]
+__all__ = ["ACTIONS", "ENV", "POINTS", "RANK_ENV", "TRACE_ENV", "FaultSpecError", "fault_point", "parse_spec", "reset"]
 
 ENV = "COVRL_FAULT"
+RANK_ENV = "COVRL_FAULT_RANK"
 TRACE_ENV = "COVRL_FAULT_TRACE"
 POINTS = ("generate", "backward", "checkpoint-write", "checkpoint-commit")
 ACTIONS = ("kill", "enospc")
@@ -81,7 +84,9 @@ def reset() -> None:
 def _load() -> dict[str, tuple[int, str]]:
     global _plan, _trace
     if _plan is None:
-        _plan = parse_spec(os.environ.get(ENV, ""))
+        rank = os.environ.get(RANK_ENV)
+        mine = rank is None or rank == os.environ.get("RANK", "0")
+        _plan = parse_spec(os.environ.get(ENV, "")) if mine else {}
         _trace = os.environ.get(TRACE_ENV) or None
     return _plan
 

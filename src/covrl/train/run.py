@@ -195,6 +195,7 @@ class Run:
         t0 = time.perf_counter()
         path = ckpt.save_checkpoint(self.run_dir, ckpt.checkpoint_name(self.trainer.rollouts), model=self.model,
                                     tokenizer=self.tokenizer, state=self.checkpoint_state(),
+                                    sharded=self.trainer.save_sharded if self.trainer.sharded else None,
                                     info={"step": self.step, "rollouts": self.trainer.rollouts,
                                           "policy_version": self.trainer.version})
         ckpt.prune_checkpoints(self.run_dir, self.cfg.checkpoint.keep_last)

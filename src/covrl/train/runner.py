@@ -2,7 +2,8 @@
 every way it can end to an exit code and a final summary.json status (the exit table below).
 
     0 ok · 1 unexpected error (traceback kept) · 2 bad input · 3 diverged · 4 checkpoint write failed (disk full)
-    5 a sampler worker died past its restart budget · 130 interrupted (Ctrl-C) · 143 terminated (SIGTERM)
+    5 a sampler worker died past its restart budget · 6 another rank of a distributed run died (set by
+    covrl.train.distributed_run) · 130 interrupted (Ctrl-C) · 143 terminated (SIGTERM)
 """
 
 from __future__ import annotations

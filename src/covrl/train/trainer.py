@@ -38,10 +38,12 @@ import contextlib
 import math
 import time
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from covrl.diagnostics.noise import LOSS_UNITS, GradientNoiseMonitor
 from covrl.diagnostics.tangent import tangent_remainder
@@ -51,8 +53,17 @@ from covrl.models.forward import forward_response as forward_response_tokens
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.algorithm import Algorithm, bind_algorithm
 from covrl.train.batch_scaling import scaled_lr
+from covrl.train.checkpoint import DCP_DIR, DCP_KEY
 from covrl.train.config import TrainConfig
-from covrl.train.distributed import Parallel, shard_rows
+from covrl.train.distributed import (
+    Parallel,
+    apply_optimizer_state,
+    carry_optimizer_state,
+    full_model_state,
+    load_sharded,
+    save_sharded,
+    shard_rows,
+)
 from covrl.train.faults import fault_point
 from covrl.train.lr_surge import LengthSurgeSchedule
 from covrl.train.results import StepResult
@@ -159,10 +170,13 @@ class Trainer:
         self.noise = GradientNoiseMonitor() if cfg.logging.noise_scale else None
         self.parallel: Parallel | None = None   # wrapped at the first step (a collective: all ranks step)
         self.leader = None    # rank 0 of a run: a Channel that sends each batch to the other ranks
+        self._pending_shards: str | None = None   # fsdp2 resume: a dcp/ folder, loaded once the model is sharded
         if cfg.trainer.parallel != "none":
             if ref_model is not None or cfg.kl.coef > 0:
                 raise ValueError("trainer.parallel with a KL reference (kl.coef > 0) is not supported yet")
-            self.noise = None    # the micro-batch noise split is not computed from per-rank gradients yet
+            if cfg.trainer.parallel == "fsdp2":   # its per-rank gradients (before the reduce-scatter) are not read
+                self.noise = None
+        self._hooked: _MicroNorms | None = None   # ddp: read by the comm hook during the synced backward
         self.temperature = float(cfg.sampler.temperature)
         self.rollouts = 0
         self.version = 0
@@ -296,12 +310,16 @@ class Trainer:
                         self.optimizer.zero_grad(set_to_none=True)
                         return self._skip(metrics, reason, t_start)
                     bad = bad or reason   # the other ranks wait in this step's collectives: skip together
-                if micro is not None:
+                # ddp's synced micro-batch: its contribution is read in the comm hook, before the all-reduce
+                hooked = micro is not None and par is not None and k == len(plan) - 1
+                if micro is not None and not idle:
                     micro.before_backward()
+                    self._hooked = micro if hooked else None
                 # world size x: DDP / FSDP2 average the ranks' gradients, the loss shares must add up
                 (loss if par is None else loss * par.world).backward()
-            if micro is not None:
-                micro.after_backward(mb.train_mask)
+                self._hooked = None
+            if micro is not None and not idle:
+                micro.after_backward(mb.train_mask, hooked=hooked)
             fault_point("backward")  # reliability tests: COVRL_FAULT (no-op otherwise)
             loss_total += 0.0 if idle else float(loss.detach())
             share = 0.0 if idle else float(mb.train_mask.sum()) / float(mask.sum())   # idle: keys, no weight
@@ -309,6 +327,8 @@ class Trainer:
         if par is not None:
             loss_total, bad, loss_metrics = self._reduce_pieces(par, [full_lp, full_ent, full_sps], pieces,
                                                                 loss_total, bad, loss_metrics)
+            if micro is not None:   # every rank's micro-batches are the small batches of the noise estimate
+                micro.gather(par)
             if bad is not None:
                 self.optimizer.zero_grad(set_to_none=True)
                 return self._skip(metrics, bad, t_start)
@@ -361,14 +381,36 @@ class Trainer:
 
     def _distribute(self) -> None:
         """Wrap the model for trainer.parallel (every rank at its first step; rank 0's weights win)."""
+        fsdp2 = self.cfg.trainer.parallel == "fsdp2"
+        # a resume from a one-process / DDP checkpoint (1 -> N): the plain optimizer's state, by parameter name
+        carried = carry_optimizer_state(self.model, self.optimizer) if fsdp2 and self.optimizer.state else None
         self.parallel = Parallel.wrap(self.model, self.cfg.trainer.parallel)
-        if self.parallel.mode == "fsdp2":   # fully_shard replaced the parameters (DTensor shards)
-            if self.optimizer.state:
-                raise NotImplementedError("trainer.parallel=fsdp2 cannot resume optimizer state yet")
+        if self.parallel.mode == "ddp" and self.noise is not None:
+            self.parallel.module.register_comm_hook(self, _local_norm_hook)
+        if fsdp2:   # fully_shard replaced the parameters (DTensor shards)
             o = self.cfg.optim
             self.params = [p for p in self.model.parameters() if p.requires_grad]
             self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
                                                weight_decay=o.weight_decay)
+            if self._pending_shards is not None:   # each rank reads its own shards of weights and moments
+                load_sharded(self.model, self.optimizer, self._pending_shards, alone=False)
+                self._pending_shards = None
+            elif carried is not None:
+                apply_optimizer_state(self.model, self.optimizer, carried)
+
+    @property
+    def sharded(self) -> bool:
+        """The model is fully_shard-ed: checkpoints go through `save_sharded` (torch.distributed.checkpoint)."""
+        return self.parallel is not None and self.parallel.mode == "fsdp2"
+
+    def save_sharded(self, folder) -> dict[str, torch.Tensor]:
+        """fsdp2: write this rank's shards of weights and optimizer state into `folder`/dcp and return the full
+        weights (rank 0; the others get {}). A collective: rank 0 (the leader) tells the others to join."""
+        if self.leader is not None:
+            self.leader.send(("checkpoint", str(folder)))
+        weights = full_model_state(self.model)
+        save_sharded(self.model, self.optimizer, Path(folder) / DCP_DIR)
+        return weights
 
     @staticmethod
     def _reduce_pieces(par: Parallel, tensors: list[torch.Tensor], pieces: _Prepared | None, loss_total: float,
@@ -415,7 +457,7 @@ class Trainer:
             current = current + g
         if current:
             plan.append(current)
-        if self.noise is not None and len(plan) == 1 and len(groups) >= 2:
+        if self.noise is not None and own is None and len(plan) == 1 and len(groups) >= 2:
             plan = _halves(list(groups.values()))   # two batch sizes for the noise estimate, same total gradient
         return plan, True
 
@@ -550,13 +592,25 @@ class Trainer:
 
     # --------------------------------------------------------------------------------------------- state
     def state_dict(self) -> dict[str, Any]:
-        return {"optimizer": self.optimizer.state_dict(), "surge": self.surge.state_dict(),
+        if self.sharded:    # the optimizer state is in the shards (save_sharded), by its folder's name
+            optimizer: dict[str, Any] = {DCP_KEY: DCP_DIR}
+        elif self._pending_shards is not None:   # not loaded yet (the followers' "start"): where it is
+            optimizer = {DCP_KEY: self._pending_shards}
+        else:
+            optimizer = self.optimizer.state_dict()
+        return {"optimizer": optimizer, "surge": self.surge.state_dict(),
                 "noise": None if self.noise is None else self.noise.state_dict(),
                 "rollouts": self.rollouts, "version": self.version, "optimizer_steps": self.optimizer_steps,
                 "bad_steps": self.bad_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.optimizer.load_state_dict(state["optimizer"])
+        optimizer = state["optimizer"]
+        if DCP_KEY not in optimizer:
+            self.optimizer.load_state_dict(optimizer)
+        elif self.cfg.trainer.parallel == "fsdp2" and not self.sharded:
+            self._pending_shards = str(optimizer[DCP_KEY])    # after the first step's fully_shard
+        else:   # one process or DDP: this process reads the full tensors from the shards (any saving world size)
+            load_sharded(self.model, self.optimizer, optimizer[DCP_KEY], alone=True)
         self.surge.load_state_dict(state["surge"])
         if self.noise is not None and state.get("noise") is not None:
             self.noise.load_state_dict(state["noise"])
@@ -664,26 +718,52 @@ class _MicroNorms:
         self.norms_sq: list[float] = []
         self.sizes: list[float] = []
         self._before: list[torch.Tensor | None] | None = None
+        self._index = {id(p): i for i, p in enumerate(params)}
+        self._hooked_sq = 0.0
 
     def before_backward(self) -> None:
         if self.norms_sq:  # the first micro-batch starts from zero gradients: no snapshot needed
             self._before = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
 
     @torch.no_grad()
-    def after_backward(self, response_mask: torch.Tensor) -> None:
-        grads, prev = [], []
-        for i, p in enumerate(self.params):
-            if p.grad is not None:
-                grads.append(p.grad)
-                prev.append(None if self._before is None else self._before[i])
+    def _contribution_sq(self, params, grads) -> float:
+        prev = [None if self._before is None else self._before[self._index[id(p)]] for p in params]
         if any(b is not None for b in prev):
             grads = [g if b is None else g - b for g, b in zip(grads, prev)]
         # fused per-tensor norms (fp32 accumulation is ample for a noise estimate), summed in float64
-        total = sum(float(n) ** 2 for n in torch._foreach_norm(grads)) if grads else 0.0
+        return sum(float(n) ** 2 for n in torch._foreach_norm(grads)) if grads else 0.0
+
+    def from_bucket(self, bucket) -> None:
+        """DDP's comm hook, before the all-reduce: this rank's accumulated gradient of a bucket's parameters."""
+        self._hooked_sq += self._contribution_sq(bucket.parameters(), bucket.gradients())
+
+    def gather(self, par: Parallel) -> None:
+        """Every rank's micro-batch norms and sizes, in rank order; the norms back in the loss's own scale (each
+        rank backwarded its loss times the world size)."""
+        parts: list[Any] = [None] * par.world
+        dist.all_gather_object(parts, (self.norms_sq, self.sizes))
+        self.norms_sq = [v / par.world ** 2 for norms, _ in parts for v in norms]
+        self.sizes = [v for _, sizes in parts for v in sizes]
+
+    @torch.no_grad()
+    def after_backward(self, response_mask: torch.Tensor, hooked: bool = False) -> None:
+        if hooked:   # the synced backward: .grad holds the ranks' average now, the hook saw this rank's own
+            total, self._hooked_sq = self._hooked_sq, 0.0
+        else:
+            params = [p for p in self.params if p.grad is not None]
+            total = self._contribution_sq(params, [p.grad for p in params])
         self._before = None
         self.norms_sq.append(total)
         rows_with_tokens = (response_mask.sum(1) > 0).sum()
         self.sizes.append(float(response_mask.sum() if self.count_tokens else rows_with_tokens))
+
+
+def _local_norm_hook(trainer: Trainer, bucket):
+    """DDP comm hook (with logging.noise_scale): the bucket's local gradients feed the micro-batch noise split
+    (no extra backward), then DDP's own averaging all-reduce."""
+    if trainer._hooked is not None:
+        trainer._hooked.from_bucket(bucket)
+    return allreduce_hook(None, bucket)
 
 
 _TANGENT_KEYS = ("tangent", "remainder", "gain", "kl_seq", "bound", "bound_ratio")
