@@ -122,6 +122,9 @@ class DispatchPool:
         """Replace worker `rank` by a new one and return once it is up."""
         raise NotImplementedError
 
+    def _check_idle_workers(self) -> None:
+        """Notice workers that died while idle (transports that can tell without a call in flight)."""
+
     # -- lost workers ------------------------------------------------------------------------------------------
     def _worker_lost(self, rank: int, why: str) -> None:
         """Worker `rank` died: its chunk goes back to the queue's hand-out order (same tickets and randomness,
@@ -224,9 +227,12 @@ class DispatchPool:
                     if st.stop:
                         return
                     self._dispatch()
-                    if not self.inflight:
+                    idle = not self.inflight
+                    if idle:
                         st.cond.wait(timeout=0.5)
-                        continue
+                if idle:   # a worker that died while it had nothing to do is replaced now, not at its next chunk
+                    self._check_idle_workers()
+                    continue
                 for call, result in self._poll(timeout=0.5):
                     self._complete(call, result)
         except BaseException as err:
@@ -367,6 +373,9 @@ class ProcessPool(DispatchPool):
                 self._receive(timeout=1.0)
             except queue_lib.Empty:
                 continue
+
+    def _check_idle_workers(self) -> None:
+        self._check_alive()
 
     def _check_alive(self) -> None:
         for rank, p in enumerate(self.procs):
