@@ -33,10 +33,10 @@ from pydantic import Field, field_validator
 
 from covrl.models.forward import cache_argument, output_cache
 from covrl.models.loading import lora_merge_plan, merge_lora_state_dict, pad_and_stop_ids
+from covrl.rollout.prompts import check_prompts
 from covrl.rollout.types import TOPK_LOGPROB_FLOOR, RolloutBatch, RolloutTiming  # noqa: F401 - re-exported
 from covrl.rollout.vllm import VLLM_EXTRA_HINT, VLLMEngineConfig, build_vllm_sampler, vllm_available
 from covrl.settings import Section
-from covrl.tasks.task import PromptTooLongError
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
@@ -182,18 +182,7 @@ class HFSampler:
     # ------------------------------------------------------------------ generation
 
     def _check_prompts(self, prompts, n):
-        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-            raise ValueError("generate: prompts must be a non-empty list of token-id lists")
-        if n < 1:
-            raise ValueError(f"generate: n={n} must be >= 1")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty")
-            if self.context and len(p) + self.cfg.max_new_tokens > self.context:
-                raise PromptTooLongError(
-                    f"prompt {i} has {len(p)} tokens; with sampler.max_new_tokens={self.cfg.max_new_tokens} it "
-                    f"exceeds the model context (max_position_embeddings={self.context}); lower "
-                    "task.max_prompt_tokens (overlong=truncate) or sampler.max_new_tokens")
+        check_prompts(prompts, n, context=self.context, max_new_tokens=self.cfg.max_new_tokens)
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, *, generator: torch.Generator,

@@ -49,9 +49,9 @@ from pydantic import Field
 
 from covrl._lazy import require
 from covrl.models.loading import lora_merge_plan, merge_lora_state_dict, pad_and_stop_ids
+from covrl.rollout.prompts import check_prompts
 from covrl.rollout.types import TOPK_LOGPROB_FLOOR, RolloutBatch, RolloutTiming
 from covrl.settings import Section
-from covrl.tasks.task import PromptTooLongError
 
 __all__ = ["VLLMEngineConfig", "VLLMSampler", "build_vllm_sampler", "export_model_folder", "vllm_available",
            "VLLM_EXTRA_HINT"]
@@ -209,18 +209,7 @@ class VLLMSampler:
     # ------------------------------------------------------------------ generation
 
     def _check_prompts(self, prompts, n):
-        if not isinstance(prompts, (list, tuple)) or len(prompts) == 0:
-            raise ValueError("generate: prompts must be a non-empty list of token-id lists")
-        if n < 1:
-            raise ValueError(f"generate: n={n} must be >= 1")
-        for i, p in enumerate(prompts):
-            if len(p) == 0:
-                raise ValueError(f"generate: prompt {i} is empty")
-            if self.context and len(p) + self.cfg.max_new_tokens > self.context:
-                raise PromptTooLongError(
-                    f"prompt {i} has {len(p)} tokens; with sampler.max_new_tokens={self.cfg.max_new_tokens} it "
-                    f"exceeds the model context (max_position_embeddings={self.context}); lower "
-                    "task.max_prompt_tokens (overlong=truncate) or sampler.max_new_tokens")
+        check_prompts(prompts, n, context=self.context, max_new_tokens=self.cfg.max_new_tokens)
 
     def _params(self, seed: int | None, greedy: bool):
         cfg = self.cfg
