@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from covrl.train.batch_scaling import BatchScalingConfig, lr_for_batch, scaled_lr
+from covrl.train.batch_scaling import BatchScalingConfig, LagContext, lr_for_batch, scaled_lr
 
 
 def test_rules_by_hand():
@@ -98,3 +98,72 @@ def test_trainer_applies_the_rule():
     scaled = Trainer(model, load_config(None, over + ["batch_scaling.scale_lr=true",
                                                      "batch_scaling.base_batch_rollouts=8"]))
     assert plain.lr_at(0) == pytest.approx(1e-3) and scaled.lr_at(0) == pytest.approx(2e-3)
+
+
+def test_sqrt_momentum_by_hand_and_reduces_to_sqrt():
+    """sqrt_momentum = √(B/B0)·√(r(Q/B0)/r(Q/B)); at β1 = 0 (r ≡ 1) it is the plain square root."""
+    from covrl.train.batch_scaling import momentum_drift_factor
+
+    lag = LagContext(beta1=0.9, queue_rollouts=256)
+    want = 1e-5 * math.sqrt(4) * math.sqrt(momentum_drift_factor(0.9, 32) / momentum_drift_factor(0.9, 8))
+    assert lr_for_batch(1e-5, 8, 32, "adamw", rule="sqrt_momentum", lag=lag) == pytest.approx(want, rel=1e-12)
+    assert want / 2e-5 == pytest.approx(1.481, abs=1e-3)          # the factor quoted in docs/results/async-gap.md
+    no_momentum = LagContext(beta1=0.0, queue_rollouts=256)
+    for b in (8, 32, 128):
+        assert lr_for_batch(1e-5, 8, b, "adamw", rule="sqrt_momentum", lag=no_momentum) == \
+            pytest.approx(lr_for_batch(1e-5, 8, b, "adamw"), rel=1e-12)
+    with pytest.raises(ValueError, match="sqrt_momentum"):
+        lr_for_batch(1e-5, 8, 32, "adamw", rule="sqrt_momentum")            # no lag context
+    with pytest.raises(ValueError, match="sqrt_momentum"):
+        lr_for_batch(1e-5, 8, 32, "adamw", rule="sqrt_momentum", lag=LagContext(0.9, 16))   # Q below a step
+    with pytest.raises(ValueError, match="beta1"):
+        momentum_drift_factor(1.0, 4)
+
+
+def _lagged_drift_variance(batch: int, lr: float, lag: int, beta1: float, steps: int = 600, dim: int = 4000,
+                           seed: int = 0) -> float:
+    """Adam (β1, 0.999) on pure noise (σ = 1 per sample, averaged over `batch`): the variance per coordinate of
+    θ_k − θ_{k−lag}, averaged over the second half of the run (brute force of the drift the gap measures)."""
+    gen = torch.Generator().manual_seed(seed)
+    theta = torch.zeros(dim, requires_grad=True)
+    opt = torch.optim.Adam([theta], lr=lr, betas=(beta1, 0.999))
+    history, out = [], []
+    for k in range(steps):
+        theta.grad = torch.randn(dim, generator=gen) / math.sqrt(batch)
+        opt.step()
+        history.append(theta.detach().clone())
+        if k >= steps // 2:
+            out.append(float((history[-1] - history[-1 - lag]).var()))
+    return sum(out) / len(out)
+
+
+def test_sqrt_momentum_keeps_noise_drift_over_the_queue_fixed():
+    """Brute force: with β1 = 0.9 and a queue of Q = 64 rollouts (lag 8 / 2 steps at B = 8 / 32), the drift over
+    the lag stays within 10% under sqrt_momentum, while the plain √ rule loses most of it (r(2)/r(8) = 0.31)."""
+    from covrl.train.batch_scaling import momentum_drift_factor
+
+    lag_ctx = LagContext(beta1=0.9, queue_rollouts=64)
+    d8 = _lagged_drift_variance(8, 1e-3, 8, 0.9)
+    d32_corrected = _lagged_drift_variance(32, lr_for_batch(1e-3, 8, 32, "adam", rule="sqrt_momentum",
+                                                            lag=lag_ctx), 2, 0.9)
+    d32_sqrt = _lagged_drift_variance(32, lr_for_batch(1e-3, 8, 32, "adam"), 2, 0.9)
+    assert abs(d32_corrected / d8 - 1) < 0.10, (d8, d32_corrected)
+    predicted = momentum_drift_factor(0.9, 2) / momentum_drift_factor(0.9, 8)
+    assert abs(d32_sqrt / d8 / predicted - 1) < 0.15, (d32_sqrt / d8, predicted)
+
+
+def test_sqrt_momentum_config_needs_an_async_queue():
+    from covrl.config import load_config
+
+    over = ["loop.prompts_per_step=4", "loop.group_size=8", "model.source=tiny", "batch_scaling.scale_lr=true",
+            "batch_scaling.base_batch_rollouts=8", "batch_scaling.rule=sqrt_momentum"]
+    with pytest.raises(ValueError, match="sqrt_momentum.*loop.mode"):
+        load_config(None, over)
+    cfg = load_config(None, over + ["loop.mode=async", "async_loop.max_staleness_rollouts=256"])
+    from covrl.models import tiny_llama
+    from covrl.train.trainer import Trainer
+
+    model = tiny_llama(100, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_positions=32)
+    lag = LagContext(beta1=cfg.optim.betas[0], queue_rollouts=256)
+    assert Trainer(model, cfg).lr_at(0) == pytest.approx(
+        lr_for_batch(cfg.optim.lr, 8, 32, "adamw", rule="sqrt_momentum", lag=lag), rel=1e-12)

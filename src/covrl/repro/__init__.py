@@ -11,6 +11,7 @@ REPROS: dict[str, str] = {
     "covariance": "covrl.repro.covariance",
     "tangent": "covrl.repro.tangent",
     "async-gap": "covrl.repro.async_gap",
+    "async-momentum": "covrl.repro.async_momentum",
     "lr-surge": "covrl.repro.lr_surge",
     "otb": "covrl.repro.otb",
     "ensemble-linear": "covrl.repro.ensemble_linear",

@@ -43,7 +43,7 @@ from covrl.repro.stats import paired_ratio_ci
 from covrl.tasks import build_task
 from covrl.train.async_config import AsyncLoopConfig
 from covrl.train.async_loop import build_async_sampler, train_async
-from covrl.train.batch_scaling import lr_for_batch
+from covrl.train.batch_scaling import LagContext, lr_for_batch, momentum_drift_factor
 from covrl.train.data import DataStream
 from covrl.train.run import Run, seed_everything
 from covrl.train.sft import sft_warmup
@@ -105,7 +105,7 @@ def toy_gap(optimizer: str, rule: str, batch: int, s: ToySettings, *, lag_in_rol
     w = torch.randn(S, T, V, generator=g) * s.reward_scale           # reward logit of each token
     theta = torch.zeros(S, T, V)
     base_lr = s.sgd_lr if optimizer == "sgd" else s.adam_lr
-    lr = lr_for_batch(base_lr, s.base_batch, batch, optimizer, rule=rule)
+    lr = lr_for_batch(base_lr, s.base_batch, batch, optimizer, rule=rule, lag=LagContext(beta1, s.queue))
     lag = s.queue // batch if lag_in_rollouts else s.fixed_lag_steps
     steps = s.rollouts // batch
     history = [theta.clone()]
@@ -288,7 +288,8 @@ def tiny_burn_in(base: TinyBase, t: TinySettings, seed: int) -> tuple[TinyBase, 
                     runs_dir=base.runs_dir), info
 
 
-def tiny_scaling_section(base: TinyBase, t: TinySettings, seed: int) -> dict[str, dict[int, dict[str, Any]]]:
+def tiny_scaling_section(base: TinyBase, t: TinySettings, seed: int, rules: dict | None = None,
+                         keeps_gap: tuple[str, ...] = KEEPS_GAP) -> dict[str, dict[int, dict[str, Any]]]:
     """Gap per rule per batch B = scale·B0: the trainer's kl_seq averaged over a data-clock window and over seeds.
 
     Design (RESEARCH §9; the reasons are in docs/results/async-gap.md §2):
@@ -302,18 +303,21 @@ def tiny_scaling_section(base: TinyBase, t: TinySettings, seed: int) -> dict[str
       an average of ≥ that many squared gradients before any rollout in the window is generated):
       start = max over the rule's runs of (Q_run + transient_steps·B). It ends at t.rollouts.
     - Seeds: t.seeds for the rules in KEEPS_GAP, t.wrong_rule_seeds for the others; seed k uses sampling and
-      data seed `seed + k` at every B (the same prompts on the data clock), from the same burned-in weights."""
+      data seed `seed + k` at every B (the same prompts on the data clock), from the same burned-in weights.
+    `rules` (default TOY_RULES) maps the names in t.rules to (optimizer, lr rule, queue in rollouts?);
+    `keeps_gap` names the rules that get t.seeds."""
 
     B0 = t.base_prompts * t.group_size
     out: dict[str, dict[int, dict[str, Any]]] = {}
     cache: dict[tuple, dict[str, Any]] = {}
     for rule_name in t.rules:
-        _, rule, in_rollouts = TOY_RULES[rule_name]
-        n_seeds = t.seeds if rule_name in KEEPS_GAP else t.wrong_rule_seeds
+        _, rule, in_rollouts = (rules or TOY_RULES)[rule_name]
+        n_seeds = t.seeds if rule_name in keeps_gap else t.wrong_rule_seeds
         plan = []
         for scale in t.scales:
             B = B0 * scale
-            plan.append((scale, B, lr_for_batch(t.base_lr, B0, B, "adamw", rule=rule),
+            plan.append((scale, B, lr_for_batch(t.base_lr, B0, B, "adamw", rule=rule,
+                                                lag=LagContext(t.beta1, t.queue)),
                          t.queue if in_rollouts else t.fixed_lag_steps * B))
         start = max(q + t.transient_steps * B for _, B, _, q in plan)
         per_seed_gap: dict[int, list[float]] = {}
@@ -435,8 +439,9 @@ def _figure(path: Path, toy: dict, tiny: dict | None, floor: dict | None, toy_s:
 
 # ---------------------------------------------------------------------------------------------------- run
 
-def _ratio_checks(result, section: str, per_rule: dict, base_batch: int) -> dict[str, list[float]]:
-    """gap(B)/gap(B0) per rule; rules in KEEPS_GAP must stay within ±25%, the others must grow. The 95% interval
+def ratio_checks(result, section: str, per_rule: dict, base_batch: int,
+                 keeps_gap: tuple[str, ...] = KEEPS_GAP) -> dict[str, list[float]]:
+    """gap(B)/gap(B0) per rule; rules in `keeps_gap` must stay within ±25%, the others must grow. The 95% interval
     over seeds (when measured) is reported next to the ratios; the criterion is on the ratio itself."""
     ratios: dict[str, list[float]] = {}
     for name, per_b in per_rule.items():
@@ -449,7 +454,7 @@ def _ratio_checks(result, section: str, per_rule: dict, base_batch: int) -> dict
         cis = [per_b[b].get("ratio_ci95") for b in bs if b != base_batch]
         if all(ci is not None for ci in cis):
             measured = {"ratio": measured, "ci95": [[round(x, 3) for x in ci] for ci in cis]}
-        if name in KEEPS_GAP:
+        if name in keeps_gap:
             result.check(f"{section}: {name} keeps the gap ({scales} B)", measured,
                          f"every ratio gap(B)/gap(B0) within 1 ± {TOLERANCE}",
                          all(abs(r - 1) <= TOLERANCE for r in big))
@@ -457,19 +462,6 @@ def _ratio_checks(result, section: str, per_rule: dict, base_batch: int) -> dict
             result.check(f"{section}: {name} gap grows ({scales} B)", measured,
                          f"gap({bs[-1] // base_batch}x B)/gap(B0) > 1 + {TOLERANCE}", big[-1] > 1 + TOLERANCE)
     return ratios
-
-
-def momentum_drift_factor(beta1: float, lag: int) -> float:
-    """r(L) = Var(Σ_{k=1..L} m_k) / (L·σ²) for a stationary EMA m_k = β1·m_{k−1} + (1−β1)·g_k of white noise g of
-    variance σ²: how much of the random-walk drift lr²·L·σ² momentum delivers within a lag of L steps.
-    Σ_k m_k = Σ_{i=1..L} (1 − β1^{L−i+1}) g_i + (1 − β1^L)·Σ_{i≤0} β1^{1−i} g_i, so
-    r(L) = [Σ_{n=1..L} (1 − β1^n)² + (1 − β1^L)²·β1²/(1 − β1²)] / L  (→ 1 for L ≫ 1/(1−β1); r ≡ 1 at β1 = 0)."""
-    if lag < 1:
-        raise ValueError(f"lag must be >= 1 step, got {lag}")
-    b = float(beta1)
-    inside = sum((1 - b ** n) ** 2 for n in range(1, lag + 1))
-    before = (1 - b ** lag) ** 2 * b * b / (1 - b * b)
-    return (inside + before) / lag
 
 
 def momentum_sweep(seed: int, betas: tuple[float, ...] = (0.9, 0.5, 0.0)) -> dict[str, list[float]]:
@@ -494,7 +486,7 @@ def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     cpu0 = time.process_time()      # the machine is shared: CPU time says what the run itself costs
 
     toy = toy_section(toy_s, seed)
-    toy_ratios = _ratio_checks(result, "toy", toy, toy_s.base_batch)
+    toy_ratios = ratio_checks(result, "toy", toy, toy_s.base_batch)
     result.numbers["toy"] = {"settings": toy_s.__dict__, "seconds": time.perf_counter() - t0,
                              "gap": {n: {str(b): v for b, v in per.items()} for n, per in toy.items()},
                              "ratio_to_base": toy_ratios}
@@ -507,7 +499,7 @@ def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     burned, burn_info = tiny_burn_in(base, tiny_s, seed)
     tiny = tiny_scaling_section(burned, tiny_s, seed)
     B0 = tiny_s.base_prompts * tiny_s.group_size
-    tiny_ratios = _ratio_checks(result, "tiny transformer", tiny, B0)
+    tiny_ratios = ratio_checks(result, "tiny transformer", tiny, B0)
     result.check("tiny transformer: the emulated queue gives every rollout in the window a lag of exactly "
                  "⌈Q/B⌉ steps", {f"{n}/B{b}": {"lag_steps": v["lag_steps"], "seen": v["lag_in_window"]}
                                    for n, per in tiny.items() for b, v in per.items()},

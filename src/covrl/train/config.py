@@ -243,6 +243,13 @@ class TrainConfig(Section):
         if self.batch_scaling.scale_lr and self.batch_scaling.base_batch_rollouts is None:
             raise ValueError("batch_scaling.scale_lr=true needs batch_scaling.base_batch_rollouts (the rollouts "
                              "per step at which optim.lr was tuned)")
+        if self.batch_scaling.scale_lr and self.batch_scaling.rule == "sqrt_momentum":
+            queue = self.async_loop.queue_rollouts(self.loop.rollouts_per_step)
+            need = max(self.batch_scaling.base_batch_rollouts, self.loop.rollouts_per_step)
+            if self.loop.mode == "sync" or queue < need:
+                raise ValueError(f"batch_scaling.rule=sqrt_momentum corrects for momentum at the async queue's lag: "
+                                 f"it needs loop.mode=async/ray and a queue of >= {need} rollouts (one step at both "
+                                 f"batches); got loop.mode={self.loop.mode}, queue {queue}")
         return self
 
     @property

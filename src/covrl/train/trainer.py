@@ -52,7 +52,7 @@ from covrl.models.forward import ResponseForward
 from covrl.models.forward import forward_response as forward_response_tokens
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.algorithm import Algorithm, bind_algorithm
-from covrl.train.batch_scaling import scaled_lr
+from covrl.train.batch_scaling import LagContext, scaled_lr
 from covrl.train.checkpoint import DCP_DIR, DCP_KEY
 from covrl.train.config import TrainConfig
 from covrl.train.distributed import (
@@ -203,7 +203,9 @@ class Trainer:
         b = self.cfg.loop.rollouts_per_step if batch_rollouts is None else batch_rollouts
         f = lr_factor(rollouts, b, warmup=o.warmup_rollouts, total=self.cfg.total_rollouts,
                       schedule=o.schedule, min_ratio=o.min_lr_ratio)
-        return scaled_lr(o.lr, self.cfg.loop.rollouts_per_step, self.cfg.batch_scaling) * f * self.surge.scale
+        lag = LagContext(beta1=o.betas[0], queue_rollouts=self.cfg.async_loop.queue_rollouts(
+            self.cfg.loop.rollouts_per_step)) if self.cfg.batch_scaling.rule == "sqrt_momentum" else None
+        return scaled_lr(o.lr, self.cfg.loop.rollouts_per_step, self.cfg.batch_scaling, lag=lag) * f * self.surge.scale
 
     # --------------------------------------------------------------------------------------------- step
     def step(self, batch: ScoredBatch) -> StepResult:
