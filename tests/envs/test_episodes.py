@@ -4,6 +4,7 @@ model tokens, and the tiny tool preset runs end to end via prepare_run + run_loo
 
 from __future__ import annotations
 
+import math
 import sys
 from pathlib import Path
 
@@ -13,7 +14,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 from train_helpers import tiny_cfg  # noqa: E402
 
-import covrl.train.trainer as trainer_mod  # noqa: E402
+import covrl.train.algorithm as algorithm_mod  # noqa: E402
 from covrl.rollout.episodes import generate_episodes, score_episodes  # noqa: E402
 from covrl.tasks import environments  # noqa: E402
 from covrl.tasks.environments import EnvStep  # noqa: E402
@@ -99,17 +100,17 @@ def test_episode_tokens_are_the_samplers_across_turns(tmp_path, echo_env):
 
     scored = score_episodes(run.task, tok, eb, examples, 4)
     captured = []
-    real = trainer_mod.aggregate
+    real = algorithm_mod.aggregate
 
-    def spy(loss, mask, mode):
+    def spy(loss, mask, mode, **kw):
         captured.append(mask.clone())
-        return real(loss, mask, mode)
+        return real(loss, mask, mode, **kw)
 
-    trainer_mod.aggregate = spy
+    algorithm_mod.aggregate = spy
     try:
         result = run.trainer.step(scored)
     finally:
-        trainer_mod.aggregate = real
+        algorithm_mod.aggregate = real
     assert captured and all(torch.equal(m, b.loss_mask) for m in captured)   # the normaliser: model tokens
     assert result.metrics["response_tokens"] == float(b.loss_mask.sum()) < float(b.response_mask.sum())
     run.close()
@@ -137,3 +138,50 @@ def test_tiny_tool_preset_runs_end_to_end(tmp_path, echo_env):
     records = read_jsonl(tmp_path / "echo" / "metrics.jsonl")
     assert all(r["task/turns"] > 1.5 for r in records)
     assert all(r["response_tokens"] < r["batch_rows"] * 8 * r["task/turns"] + 1 for r in records)
+
+
+def test_score_centring_runs_on_episodes_with_the_model_tokens_top_k(tmp_path, echo_env, monkeypatch):
+    """With sampler.return_topk the episodes carry the sampler's top-k of every model token (the trainer's own
+    log-probs of those ids, at the same weights), zeros on environment tokens; score centring then runs on the
+    model tokens only (its mask is loss_mask), and the tiny `add` preset trains 2 steps with it, finite."""
+    sc = {"sampler.return_topk": 4, "algorithm.score_centering": True, "algorithm.loss": "covariance"}
+    run = _run(tmp_path, echo_env, **{"run.name": "sc-echo", "logging.noise_scale": False, **sc})  # 1 micro-batch
+    run.sampler.eos_ids = sorted(set(run.sampler.eos_ids) | set(run.tokenizer("abcdefghijklm")["input_ids"]))
+    examples = run.task.train[:2]
+    eb = generate_episodes(run.sampler, run.tokenizer, run.task.environment, examples, 3,
+                           generator=torch.Generator().manual_seed(0), chat_template=False, max_turns=4)
+    b = eb.batch
+    B, T = b.response_ids.shape
+    assert b.sampler_topk_ids.shape == (B, T, 4) and b.sampler_topk_logprobs.shape == (B, T, 4)
+    model_tok, env_tok = b.loss_mask > 0, (b.response_mask > 0) & (b.loss_mask == 0)
+    assert env_tok.any()
+    assert torch.all(b.sampler_topk_ids[env_tok] == 0) and torch.all(b.sampler_topk_logprobs[env_tok] == 0)
+    # aligned with the tokens: the trainer's log-probs of the sampler's top-k ids are the sampler's, and the
+    # top-1 log-prob is at least the drawn token's
+    fwd = forward_response(run.model, b, 1.0, topk_ids=b.sampler_topk_ids)
+    assert torch.allclose(fwd.topk_logprobs[model_tok], b.sampler_topk_logprobs[model_tok], atol=1e-4)
+    assert torch.all(b.sampler_topk_logprobs[model_tok][:, 0] >= b.sampler_logprobs[model_tok] - 1e-5)
+    masks = []
+    real = algorithm_mod.score_centering_term
+
+    def spy(trainer_topk, sampler_topk, advantages, mask, **kw):
+        masks.append(mask.clone())
+        return real(trainer_topk, sampler_topk, advantages, mask, **kw)
+
+    monkeypatch.setattr(algorithm_mod, "score_centering_term", spy)
+    result = run.trainer.step(score_episodes(run.task, run.tokenizer, eb, examples, 3))
+    run.close()
+    assert len(masks) == 1 and torch.equal(masks[0], b.loss_mask)
+    assert "score_center/rho_tail_mean" in result.metrics and torch.isfinite(torch.tensor(result["loss"]))
+    monkeypatch.undo()
+
+    run = _run(tmp_path, "add", **{"run.name": "sc-add", "loop.steps": 2, "eval.before": False, "eval.after": False,
+                                   **sc})
+    summary = run_loop(run, build_sync_source(run))
+    run.close()
+    assert summary["status"] == "completed"
+    records = read_jsonl(tmp_path / "sc-add" / "metrics.jsonl")
+    assert [r["step"] for r in records] == [1, 2]
+    for r in records:
+        for key in ("loss", "loss/score_centering", "score_center/rho_tail_mean", "score_center/abs_c_sum_mean"):
+            assert math.isfinite(r[key]), key
