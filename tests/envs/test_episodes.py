@@ -22,7 +22,7 @@ from covrl.train.loop import run_loop  # noqa: E402
 from covrl.train.run import prepare_run  # noqa: E402
 from covrl.train.sinks import read_jsonl  # noqa: E402
 from covrl.train.sources import EpisodeSource, build_sync_source  # noqa: E402
-from covrl.train.trainer import forward_response  # noqa: E402
+from covrl.train.trainer import Trainer, forward_response  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -185,3 +185,78 @@ def test_score_centring_runs_on_episodes_with_the_model_tokens_top_k(tmp_path, e
     for r in records:
         for key in ("loss", "loss/score_centering", "score_center/rho_tail_mean", "score_center/abs_c_sum_mean"):
             assert math.isfinite(r[key]), key
+
+
+# keys that measure wall time or only exist in the async loop
+_ASYNC_ONLY = ("time/", "async/", "gap/")
+_WALL = {"tokens_per_s", "generate_tokens_per_s", "train_tokens_per_s"}
+
+
+def _comparable(records):
+    return [{k: v for k, v in r.items() if not k.startswith(_ASYNC_ONLY) and k not in _WALL} for r in records]
+
+
+def test_async_loop_runs_episodes_and_equals_sync_at_staleness_zero(tmp_path, echo_env, monkeypatch):
+    """loop.mode=async generates episodes through the same generate_batch / score_batch as the sync loop: with
+    staleness 0 (serial emulation and a real sampler thread) every metric equals the sync loop's, and the
+    trained batches carry environment tokens outside loss_mask."""
+    from covrl.train.async_config import AsyncLoopConfig
+    from covrl.train.async_loop import prepare_async_run, train_async
+
+    stepped = []
+    real_step = Trainer.step
+
+    def recording_step(self, batch, *a, **kw):
+        stepped.append(batch)
+        return real_step(self, batch, *a, **kw)
+
+    monkeypatch.setattr(Trainer, "step", recording_step)
+    over = {"task.env.name": echo_env, "task.env.max_turns": 4, "model.tiny.max_positions": 160,
+            "sampler.max_new_tokens": 8, "sft_warmup.steps": 0, "loop.steps": 2, "eval.before": False,
+            "eval.after": False, "sampler.share_weights": "never", "algorithm.advantage": "otb_tir"}
+
+    def records(name, prepare, train):
+        run = prepare(tiny_cfg(tmp_path, **{"run.name": name, **over}), console=False)
+        # stop on common characters too, so that random-weight turns end and episodes reach 2+ turns
+        run.sampler.eos_ids = sorted(set(run.sampler.eos_ids) | set(run.tokenizer("abcdefghijklm")["input_ids"]))
+        try:
+            train(run)
+        finally:
+            run.close()
+        return read_jsonl(tmp_path / name / "metrics.jsonl")
+
+    sync = records("sync", prepare_run, lambda run: run_loop(run, build_sync_source(run)))
+    assert len(stepped) == 2 and all(r["task/turns"] > 1.5 for r in sync)
+    for emulate in (True, False):
+        stepped.clear()
+        name = "async-serial" if emulate else "async-thread"
+        acfg = AsyncLoopConfig(max_staleness_steps=0, emulate=emulate, local_backend="thread")
+        got = records(name, prepare_async_run, lambda run, acfg=acfg: train_async(run, acfg=acfg))
+        assert _comparable(got) == _comparable(sync), name
+        assert all(r["async/staleness_max"] == 0 for r in got)
+        assert len(stepped) == 2
+        for b in stepped:
+            env_tok = (b.response_mask > 0) & (b.loss_mask == 0)
+            assert env_tok.any() and torch.all(b.sampler_logprobs[env_tok] == 0)
+
+
+def test_process_pool_runs_episodes(tmp_path):
+    """The process pool's worker builds the task with its environment from the config (the tiny `add` preset):
+    at staleness 0 the run equals the sync loop's episodes."""
+    from covrl.train.async_config import AsyncLoopConfig
+    from covrl.train.async_loop import prepare_async_run, train_async
+
+    over = {"task.env.name": "add", "task.env.max_turns": 2, "model.tiny.max_positions": 160,
+            "sampler.max_new_tokens": 8, "sft_warmup.steps": 0, "loop.steps": 2, "eval.before": False,
+            "eval.after": False, "sampler.share_weights": "never"}
+    sync_run = prepare_run(tiny_cfg(tmp_path, **{"run.name": "sync", **over}), console=False)
+    run_loop(sync_run, build_sync_source(sync_run))
+    sync_run.close()
+    run = prepare_async_run(tiny_cfg(tmp_path, **{"run.name": "process", **over}), console=False)
+    try:
+        train_async(run, acfg=AsyncLoopConfig(max_staleness_steps=0, local_backend="process"))
+    finally:
+        run.close()
+    records = read_jsonl(tmp_path / "process" / "metrics.jsonl")
+    assert len(records) == 2 and all("task/turns" in r for r in records)
+    assert _comparable(records) == _comparable(read_jsonl(tmp_path / "sync" / "metrics.jsonl"))
