@@ -168,3 +168,38 @@ def test_step_metrics_equal_the_full_batch_formulas(advantage, correction, micro
     adv = compute_advantages(advantage, rewards=seen["rewards"], mask=mask, group_ids=b.group_ids, **inputs)
     expected = {**corr.metrics, **adv.metrics}
     assert {k: metrics[k] for k in expected} == expected
+
+
+# ------------------------------------------------------------------ algorithm.norm_constant (Dr. GRPO's N)
+
+@pytest.mark.parametrize("score_centering", [False, True], ids=["policy", "with-score-centring"])
+def test_norm_constant_scales_the_step_loss_and_gradient_by_exactly_width_over_n(score_centering):
+    """seq-mean-token-sum-norm divides by B·N: N = the step's padded width T by default, the configured constant
+    otherwise, so the loss (policy + score-centring term) and the gradient norm change by exactly T/N."""
+    extra = {"sampler.return_topk": 4, "algorithm.score_centering": True} if score_centering else {}
+    base = {"algorithm.advantage": "dr_grpo", "algorithm.agg_mode": "seq-mean-token-sum-norm", "optim.lr": 1e-30,
+            "optim.max_grad_norm": None, "logging.diagnostics": False, "logging.noise_scale": False, **extra}
+    batch = synthetic_batch(make_model(), noise=0.2, topk=4 if score_centering else 0)
+    width = batch.response_mask.shape[1]
+    results = [Trainer(make_model(), tiny_cfg(**base, **({} if n is None else {"algorithm.norm_constant": n})))
+               .step(batch) for n in (None, 64.0)]
+    factor = width / 64.0
+    assert results[0]["loss/policy"] != 0.0 and results[0].get("loss/score_centering", 1.0) != 0.0
+    parts = ["loss/policy", "loss", "grad_norm"] + (["loss/score_centering"] if score_centering else [])
+    for key in parts:
+        assert results[1][key] == pytest.approx(results[0][key] * factor, rel=1e-5, abs=1e-12), key
+
+
+@pytest.mark.parametrize("overrides, pattern", [
+    (["algorithm.agg_mode=seq-mean-token-sum-norm", "algorithm.norm_constant=true"],
+     r"algorithm\.norm_constant: expected a number, got the boolean True"),
+    (["algorithm.agg_mode=seq-mean-token-sum-norm", "algorithm.norm_constant=0"],
+     r"algorithm\.norm_constant: Input should be greater than 0"),
+    (["algorithm.norm_constant=512"],
+     r"algorithm\.norm_constant is read by agg_mode=seq-mean-token-sum-norm only \(agg_mode is token-mean\)"),
+])
+def test_norm_constant_is_validated(overrides, pattern):
+    with pytest.raises(ConfigError, match=pattern):
+        load_config(None, overrides)
+    ok = load_config(None, ["algorithm.agg_mode=seq-mean-token-sum-norm", "algorithm.norm_constant=512"])
+    assert bind_algorithm(ok).norm_constant == 512.0

@@ -3,6 +3,7 @@
 See docs/math.md for every formula and option name.
 """
 
+from covrl.math._registry import reject_bool
 from covrl.math.advantages import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_INPUTS,
@@ -42,5 +43,5 @@ __all__ = [
     "AdvantageBatch", "AdvantageOutput", "AdvantageSpec", "CorrectionConfig", "CorrectionOutput", "LossOutput",
     "LossSpec", "advantage_metrics", "aggregate", "compute_advantages", "correction_metrics",
     "entropy_from_logits", "kl_estimate", "logit_grad_proxy", "make_advantage_batch", "policy_loss",
-    "rollout_correction", "score_centering_term", "sum_pi_squared", "token_logprobs", "variance_proxies",
+    "reject_bool", "rollout_correction", "score_centering_term", "sum_pi_squared", "token_logprobs", "variance_proxies",
 ]

@@ -174,7 +174,7 @@ def gspo_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None, 
     s_b = exp(mean_t lr_bt) = (p(y_b)/q(y_b))^{1/|y_b|}, lr = clamp(log p − log q, ±20); A_b = mean_t A_bt (the
     sequence advantage; = A for outcome advantages). ℓ_b = max(−A_b s_b, −A_b clip(s_b, 1 − clip_low,
     1 + clip_high)), broadcast over the row's valid tokens, so `seq-mean-token-mean` aggregation gives GSPO's
-    mean_b ℓ_b (verl forces that mode for GSPO). ∇s_b = s_b·mean_t ∇log p_bt. Defaults: the paper's (3e-4, 4e-4).
+    mean_b ℓ_b (verl's GSPO recommends that mode). ∇s_b = s_b·mean_t ∇log p_bt. Defaults: the paper's (3e-4, 4e-4).
     `is_weights` (normally None by the pairing rule) multiply ℓ.
     """
     _check_clip("gspo", clip_low, clip_high)

@@ -11,6 +11,8 @@ token, what the sampler conditioned on (no re-tokenisation between turns). In th
     response_mask     1 on all of them (the trainer's forward attends to the replies)
     loss_mask         1 on model tokens only: the loss, its normaliser, corrections and mismatch metrics
     sampler_logprobs  log q of model tokens; 0 on environment tokens (nothing was sampled there)
+    sampler_topk_*    with sampler.return_topk: the sampler's top-k of each model token (score centring); ids 0
+                      and log-probs 0 on environment tokens, as on padding (loss_mask excludes both)
 
 An episode ends when the environment says done, at `max_turns`, when a turn ends without an end-of-turn token
 (the response hit sampler.max_new_tokens), or when the next turn would not fit the model's context."""
@@ -43,6 +45,8 @@ class Episode:
     turns: int = 0
     end: str = "done"             # done | max_turns | length | context | error
     env_metrics: dict | None = None
+    topk_ids: list[torch.Tensor] | None = None   # per piece [L, K] (turns and replies), with sampler.return_topk
+    topk_lp: list[torch.Tensor] | None = None
 
 
 @dataclass(frozen=True)
@@ -88,6 +92,9 @@ def generate_episodes(sampler, tokenizer, make_env: Callable, examples: list, n:
             ep.tokens += toks
             ep.model += [1] * length
             ep.logq += out.sampler_logprobs[j, :length].tolist()
+            if out.sampler_topk_ids is not None:
+                ep.topk_ids = (ep.topk_ids or []) + [out.sampler_topk_ids[j, :length]]
+                ep.topk_lp = (ep.topk_lp or []) + [out.sampler_topk_logprobs[j, :length].float()]
             ep.turns += 1
             ep.final_text = tokenizer.decode(toks, skip_special_tokens=True)
             if not toks or toks[-1] not in eos:
@@ -108,6 +115,10 @@ def generate_episodes(sampler, tokenizer, make_env: Callable, examples: list, n:
             ep.tokens += delta
             ep.model += [0] * len(delta)
             ep.logq += [0.0] * len(delta)
+            if ep.topk_ids is not None:   # nothing was sampled at a reply token: padding's zeros
+                K = ep.topk_ids[-1].shape[-1]
+                ep.topk_ids.append(torch.zeros((len(delta), K), dtype=torch.long))
+                ep.topk_lp.append(torch.zeros((len(delta), K)))
             still.append(i)
         live = still
     for ep, env in zip(episodes, envs):
@@ -137,12 +148,29 @@ def _assemble(episodes: list[Episode], n: int, sampler, tokenizer, policy_versio
             response_mask[i, :L] = 1.0
             loss_mask[i, :L] = torch.tensor(e.model, dtype=torch.float32)
             logq[i, :L] = torch.tensor(e.logq, dtype=torch.float32)
+    topk_ids, topk_lp = _assemble_topk(episodes, T)
     version = sampler.version if policy_version is None else int(policy_version)
     return RolloutBatch(prompt_ids=prompt_ids_, prompt_mask=prompt_mask, response_ids=response_ids,
                         response_mask=response_mask, sampler_logprobs=logq,
+                        sampler_topk_ids=topk_ids, sampler_topk_logprobs=topk_lp,
                         group_ids=torch.arange(B // n).repeat_interleave(n),
                         policy_version=torch.full((B,), version, dtype=torch.long), loss_mask=loss_mask,
                         timing=timing)
+
+
+def _assemble_topk(episodes: list[Episode], T: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """[B, T, K] top-k ids / log-probs (zeros on replies and padding), or (None, None) without top-k."""
+    pieces = [e.topk_ids for e in episodes if e.topk_ids]
+    if not pieces:
+        return None, None
+    K = pieces[0][0].shape[-1]
+    ids = torch.zeros((len(episodes), T, K), dtype=torch.long)
+    lp = torch.zeros((len(episodes), T, K))
+    for i, e in enumerate(episodes):
+        if e.topk_ids:
+            row_ids, row_lp = torch.cat(e.topk_ids), torch.cat(e.topk_lp)
+            ids[i, :len(row_ids)], lp[i, :len(row_lp)] = row_ids, row_lp
+    return ids, lp
 
 
 def score_episodes(task, tokenizer, episodes: EpisodeBatch, examples: list, n: int) -> ScoredBatch:

@@ -25,6 +25,7 @@ from covrl.math import (
     LossOutput,
     LossSpec,
     advantage_metrics,
+    aggregate,
     correction_metrics,
     make_advantage_batch,
     rollout_correction,
@@ -44,6 +45,7 @@ class Algorithm:
     advantage_options: Mapping[str, Any]
     loss_options: Mapping[str, Any]
     agg_mode: str
+    norm_constant: float | None
     is_weights_in_advantage: bool
     score_centering: bool
     score_centering_truncation: float | None
@@ -119,12 +121,18 @@ class Algorithm:
         correct twice."""
         return self.loss.compute(logprobs=logprobs, sampler_logprobs=sampler_logprobs, advantages=advantages,
                                  mask=mask, is_weights=is_weights if self.loss_takes_is_weights else None,
-                                 agg_mode=self.agg_mode, options=self.loss_options)
+                                 agg_mode=self.agg_mode, norm_constant=self.norm_constant,
+                                 options=self.loss_options)
 
     def score_centering_term(self, trainer_topk_logprobs: torch.Tensor, sampler_topk_logprobs: torch.Tensor,
                              advantages: torch.Tensor, mask: torch.Tensor) -> LossOutput:
         return score_centering_term(trainer_topk_logprobs, sampler_topk_logprobs, advantages, mask,
-                                    truncation=self.score_centering_truncation, agg_mode=self.agg_mode)
+                                    truncation=self.score_centering_truncation, agg_mode=self.agg_mode,
+                                    norm_constant=self.norm_constant)
+
+    def aggregate(self, token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """`token_loss` reduced with the run's agg_mode (and norm_constant)."""
+        return aggregate(token_loss, mask, self.agg_mode, norm_constant=self.norm_constant)
 
 
 def bind_algorithm(cfg: TrainConfig) -> Algorithm:
@@ -135,5 +143,6 @@ def bind_algorithm(cfg: TrainConfig) -> Algorithm:
     return Algorithm(estimator=estimator, loss=loss, correction=cfg.correction,
                      advantage_options=MappingProxyType(estimator.validate_options(a.advantage_options)),
                      loss_options=MappingProxyType(loss.validate_options(a.loss_options)),
-                     agg_mode=a.agg_mode, is_weights_in_advantage=a.is_weights_in_advantage,
+                     agg_mode=a.agg_mode, norm_constant=a.norm_constant,
+                     is_weights_in_advantage=a.is_weights_in_advantage,
                      score_centering=a.score_centering, score_centering_truncation=a.score_centering_truncation)

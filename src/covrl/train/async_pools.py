@@ -22,7 +22,7 @@ import torch
 
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.async_config import AsyncLoopConfig
-from covrl.train.sources import score_rollouts
+from covrl.train.sources import generate_batch, score_batch
 from covrl.train.staleness import Chunk, StalenessManager, TakeResult
 from covrl.train.trainer import forward_response
 
@@ -140,18 +140,18 @@ def floor_probe(reference_model, batch: RolloutBatch, temperature: float) -> flo
     fp32 forward at the weights that generated the chunk and q the sampler's log-probs (RESEARCH §5, §9)."""
     with torch.no_grad():
         fwd = forward_response(reference_model, batch, temperature, with_stats=False)
-    mask = batch.response_mask.float()
+    mask = batch.train_mask.float()   # the model's tokens: an episode's environment tokens have no sampler log-prob
     lr = (fwd.logprobs.float() - batch.sampler_logprobs.float()).clamp(-20, 20)
     k3 = (lr.exp() - 1 - lr) * mask
     return float(k3.sum(1).mean())
 
 
-def generate_chunk(sampler, task, tokenizer, examples: list, positions: list[int], group_size: int,
+def generate_chunk(sampler, task, tokenizer, task_cfg, examples: list, positions: list[int], group_size: int,
                    generator: torch.Generator, version: int) -> ScoredBatch:
-    """Generate and score one chunk (whole groups)."""
-    prompts = [task.encode(tokenizer, ex) for ex in examples]
-    batch = sampler.generate(prompts, group_size, generator=generator, policy_version=version)
-    return score_rollouts(task, tokenizer, batch, examples, group_size, positions)
+    """Generate and score one chunk (whole groups): completions, or episodes for a task with an environment."""
+    generated = generate_batch(sampler, task, tokenizer, task_cfg, examples, group_size, generator=generator,
+                               version=version)
+    return score_batch(task, tokenizer, generated, examples, group_size, positions)
 
 
 # ------------------------------------------------------------------------------------------------- pools
@@ -204,7 +204,7 @@ class _LocalWorkerMixin:
         if chunk.meta.get("restarted") and chunk.meta.get("rng_before") is not None:
             run.generator.set_state(chunk.meta["rng_before"])
         examples, positions = st.chunk_examples(chunk)
-        batch = generate_chunk(run.sampler, run.task, run.tokenizer, examples, positions, st.group_size,
+        batch = generate_chunk(run.sampler, run.task, run.tokenizer, run.cfg.task, examples, positions, st.group_size,
                                run.generator, chunk.version)
         self._maybe_probe(batch)
         with st.cond:

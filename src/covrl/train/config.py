@@ -10,11 +10,11 @@ Every schedule field is counted on the data clock (rollouts consumed), never in 
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, field_validator, model_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator, model_validator
 
-from covrl.math import ADVANTAGE_SPECS, LOSS_SPECS, AdvantageSpec, CorrectionConfig, LossSpec
+from covrl.math import ADVANTAGE_SPECS, LOSS_SPECS, AdvantageSpec, CorrectionConfig, LossSpec, reject_bool
 from covrl.models import ModelConfig
 from covrl.rollout import SamplerConfig
 from covrl.settings import ConfigError, Section, build_section, load_section
@@ -29,6 +29,8 @@ __all__ = ["AlgorithmConfig", "CheckpointConfig", "ConfigError", "EvalConfig", "
            "load_config"]
 
 AggMode = Literal["token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm"]
+# pydantic reads a YAML `true` as 1.0 for a float field; these options refuse it as the registry options do
+Number = Annotated[float, BeforeValidator(reject_bool)]
 
 
 
@@ -72,8 +74,11 @@ class AlgorithmConfig(Section):
                                                      "dual_clip for ppo_clip")
     agg_mode: AggMode = Field("token-mean", description="how token losses are averaged over the batch")
     score_centering: bool = Field(False, description="add the score-centring term (needs sampler.return_topk > 0)")
-    score_centering_truncation: float | None = Field(None, gt=0,
-                                                     description="truncation C of the centring weights (None: off)")
+    score_centering_truncation: Number | None = Field(None, gt=0,
+                                                      description="truncation C of the centring weights (None: off)")
+    norm_constant: Number | None = Field(None, gt=0,
+                                         description="N of agg_mode=seq-mean-token-sum-norm: the loss is "
+                                                     "sum(l*m)/(B*N); None: the step's padded response width")
     is_weights_in_advantage: bool = Field(True, description="pass rollout-correction IS weights to estimators "
                                                             "that accept them (OTB: w_t <- w_t * rho_t^2)")
 
@@ -95,6 +100,10 @@ class AlgorithmConfig(Section):
     def _known_options(self) -> AlgorithmConfig:
         check_registry_options("advantage_options", ADVANTAGE_SPECS[self.advantage], self.advantage_options)
         check_registry_options("loss_options", LOSS_SPECS[self.loss], self.loss_options)
+        # a constant that no other mode reads would be silently ignored
+        if self.norm_constant is not None and self.agg_mode != "seq-mean-token-sum-norm":
+            raise ValueError(f"algorithm.norm_constant is read by agg_mode=seq-mean-token-sum-norm only "
+                             f"(agg_mode is {self.agg_mode})")
         return self
 
 

@@ -17,14 +17,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from covrl.rollout.episodes import generate_episodes, score_episodes
+from covrl.rollout.episodes import EpisodeBatch, generate_episodes, score_episodes
 from covrl.rollout.text import decode_responses
 from covrl.rollout.types import RolloutBatch, ScoredBatch, concat_batches
 from covrl.train.faults import fault_point
 from covrl.train.results import StepResult
 
 __all__ = ["DynamicSamplingError", "DynamicSamplingSource", "EpisodeSource", "RolloutSource", "SourceBatch",
-           "SyncSource", "build_sync_source", "score_rollouts"]
+           "SyncSource", "build_sync_source", "generate_batch", "score_batch", "score_rollouts"]
 
 
 @dataclass(frozen=True)
@@ -85,6 +85,31 @@ def score_rollouts(task, tokenizer, batch: RolloutBatch, examples: list, n: int,
                         task_metrics=task_metrics, score_s=time.perf_counter() - t0)
 
 
+def generate_batch(sampler, task, tokenizer, task_cfg, examples: list, n: int, *, generator: torch.Generator,
+                   version: int) -> RolloutBatch | EpisodeBatch:
+    """n rollouts per example: multi-turn episodes for a task with an environment (`task.env.name`, with
+    `task_cfg.chat_template` and `task_cfg.env.max_turns`), else single completions of the encoded prompts.
+    Every source and sampler pool generates through here, so the sync, async and Ray loops get the same rows."""
+    if getattr(task, "environment", None) is not None:
+        return generate_episodes(sampler, tokenizer, task.environment, examples, n, generator=generator,
+                                 chat_template=task_cfg.chat_template, max_turns=task_cfg.env.max_turns,
+                                 policy_version=version)
+    prompts = [task.encode(tokenizer, ex) for ex in examples]
+    return sampler.generate(prompts, n, generator=generator, policy_version=version)
+
+
+def score_batch(task, tokenizer, generated: RolloutBatch | EpisodeBatch, examples: list, n: int,
+                positions: list[int] | None = None) -> ScoredBatch:
+    """Score what `generate_batch` returned: episodes by their environment (or the task), completions by the
+    task; `prompt_index` from the stream positions, when given."""
+    if isinstance(generated, EpisodeBatch):
+        scored = score_episodes(task, tokenizer, generated, examples, n)
+        if positions is None:
+            return scored
+        return replace(scored, prompt_index=torch.tensor(positions, dtype=torch.long).repeat_interleave(n))
+    return score_rollouts(task, tokenizer, generated, examples, n, positions)
+
+
 class SyncSource:
     """The run's own sampler, between steps: take the next prompts of the stream, generate `loop.group_size`
     completions each with the run's generator, score them. Weights reach the sampler right after the step."""
@@ -99,11 +124,10 @@ class SyncSource:
         run = self.run
         lcfg = run.cfg.loop
         examples, positions = run.stream.take(lcfg.prompts_per_step)
-        prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
-        batch = run.sampler.generate(prompts, lcfg.group_size, generator=run.generator,
-                                     policy_version=trainer_version)
+        generated = generate_batch(run.sampler, run.task, run.tokenizer, run.cfg.task, examples, lcfg.group_size,
+                                   generator=run.generator, version=trainer_version)
         fault_point("generate")  # reliability tests: COVRL_FAULT (no-op otherwise)
-        scored = score_rollouts(run.task, run.tokenizer, batch, examples, lcfg.group_size, positions)
+        scored = score_batch(run.task, run.tokenizer, generated, examples, lcfg.group_size, positions)
         return SourceBatch(scored, examples=tuple(examples))
 
     def step_done(self, result: StepResult) -> None:
@@ -130,20 +154,8 @@ class SyncSource:
 
 class EpisodeSource(SyncSource):
     """SyncSource for a task with an environment (`task.env.name`): `loop.group_size` multi-turn episodes per
-    prompt through the run's sampler (covrl.rollout.episodes), scored by the environment or the task."""
-
-    def next_batch(self, trainer_version: int) -> SourceBatch:
-        run = self.run
-        lcfg = run.cfg.loop
-        examples, positions = run.stream.take(lcfg.prompts_per_step)
-        episodes = generate_episodes(run.sampler, run.tokenizer, run.task.environment, examples, lcfg.group_size,
-                                     generator=run.generator, chat_template=run.cfg.task.chat_template,
-                                     max_turns=run.cfg.task.env.max_turns, policy_version=trainer_version)
-        fault_point("generate")
-        scored = score_episodes(run.task, run.tokenizer, episodes, examples, lcfg.group_size)
-        scored = replace(scored, prompt_index=torch.tensor(positions, dtype=torch.long).repeat_interleave(
-            lcfg.group_size))
-        return SourceBatch(scored, examples=tuple(examples))
+    prompt through the run's sampler (covrl.rollout.episodes), scored by the environment or the task. The
+    dispatch on the environment is `generate_batch` / `score_batch`, which the async pools share."""
 
 
 class DynamicSamplingError(RuntimeError):

@@ -47,7 +47,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from covrl.diagnostics.noise import LOSS_UNITS, GradientNoiseMonitor
 from covrl.diagnostics.tangent import tangent_remainder
-from covrl.math import aggregate, kl_estimate
+from covrl.math import kl_estimate
 from covrl.models.forward import ResponseForward
 from covrl.models.forward import forward_response as forward_response_tokens
 from covrl.rollout.types import RolloutBatch, ScoredBatch
@@ -527,7 +527,7 @@ class Trainer:
         and aggregated with the full batch's mask, so the micro-batch losses sum to the full-batch loss."""
         padded = _pad_cols(token_loss.float(), full_mask.shape[1])
         full = torch.zeros(full_mask.shape, dtype=torch.float32, device=padded.device).index_copy(0, idx, padded)
-        return aggregate(full, full_mask, self.algorithm.agg_mode)
+        return self.algorithm.aggregate(full, full_mask)
 
     def _micro_loss(self, mb: RolloutBatch, fwd: ResponseForward, prep: _Prepared, ref_lp: torch.Tensor | None,
                     idx: torch.Tensor, full_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:

@@ -73,7 +73,7 @@ class SamplerWorker:
         if weights is not None and version != self.sampler.version:
             self.sampler.load_weights(weights, version)
         self.generator.set_state(rng_state)
-        batch = generate_chunk(self.sampler, self.task, self.tokenizer, examples, positions,
+        batch = generate_chunk(self.sampler, self.task, self.tokenizer, self.cfg.task, examples, positions,
                                self.cfg.loop.group_size, self.generator, version)
         floor = None
         if probe and weights is not None:
