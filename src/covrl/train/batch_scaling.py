@@ -13,7 +13,9 @@ With the queue sized in rollouts (a fixed Q), the sampler–trainer gap then sta
 With Adam momentum β1 the per-step updates are correlated over ~1/(1 − β1) steps, so over a lag of L = Q/B steps
 the noise-driven drift is L·lr²·σ²·r(L) (`momentum_drift_factor`), not L·lr²·σ². The rule that holds that fixed
 is `sqrt_momentum`: lr = base_lr · sqrt(batch/base_batch) · sqrt(r(Q/base_batch) / r(Q/batch)) (= `sqrt` at
-β1 = 0; tested in docs/results/async-gap.md §4).
+β1 = 0). Measured (docs/results/async-gap.md §4.1): it holds on the exact-gap toy, but on the tiny transformer at
+β1 = 0.9, Q = 256 it overshoots (gap ×1.6 / ×2.4 at 4× / 16× B; the plain square root shrinks it ×0.55 / ×0.20), so
+it is available by name only, never chosen by `auto`.
 """
 
 from __future__ import annotations
