@@ -19,6 +19,7 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
@@ -67,7 +68,8 @@ def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bo
             crash = err
         # when a rank dies, the survivor's collective raises and torchrun's agent SIGTERMs it, in either order,
         # possibly while the lines above handle the first: finish the bookkeeping undisturbed
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if world > 1 else None
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) \
+            if world > 1 and threading.current_thread() is threading.main_thread() else None
         try:
             lost = _stop(channel, code)
             if lost is not None and run_dirs:   # the group is broken: whatever came first, a rank died
