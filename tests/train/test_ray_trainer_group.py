@@ -81,3 +81,18 @@ def test_ray_trainer_group_equals_one_process(tmp_path, straight):
 def test_ray_trainer_group_resumes_on_a_new_group(tmp_path, straight):
     """2 steps on the group, then a new group (new actors, a new rendezvous) resumes to step 3 (2 -> 2)."""
     _group_then_resume(tmp_path, straight, GROUP)
+
+
+@pytest.mark.slow
+def test_ray_trainer_group_killed_rank_exits_6(tmp_path, monkeypatch):
+    """Rank 1's actor SIGKILLs itself in step 2's backward (covrl.train.faults; the env reaches the actors through
+    the local Ray instance): rank 0's collective breaks, it records exit code 6 in summary.json and the driver
+    returns it, well inside trainer.timeout_s."""
+    monkeypatch.setenv("COVRL_FAULT", "backward:2")
+    monkeypatch.setenv("COVRL_FAULT_RANK", "1")
+    with local_ray(tmp_path):
+        code = train_from_config(tiny_cfg(tmp_path, **COMMON, **GROUP, **{"run.name": "killed", "loop.steps": 3,
+                                                                           "trainer.timeout_s": 60}))
+    summary = json.loads((tmp_path / "killed" / "summary.json").read_text())
+    assert code == 6 and summary["status"] == "failed" and summary["exit_code"] == 6, summary
+    assert "another rank died" in summary["reason"]
