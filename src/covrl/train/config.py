@@ -228,9 +228,6 @@ class TrainConfig(Section):
         if self.loop.mode != "sync":
             self.async_loop.check_against(prompts_per_step=self.loop.prompts_per_step,
                                           group_size=self.loop.group_size, sync_every=self.sampler.sync_every)
-        if self.trainer.parallel != "none" and self.kl.coef > 0:
-            raise ValueError(f"trainer.parallel={self.trainer.parallel} runs without a KL reference for now "
-                             "(docs/distributed.md)")
         if self.trainer.parallel != "none" and self.loop.mode == "ray" and not self.async_loop.trainer_actor:
             raise ValueError("loop.mode=ray with trainer.parallel runs the trainer ranks as Ray actors "
                              "(trainer.world_size of them): async_loop.trainer_actor=false is for one trainer")

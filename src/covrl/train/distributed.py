@@ -117,8 +117,7 @@ class Parallel:
         elif mode == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
-            for p in model.parameters():   # fully_shard does not broadcast: start every rank from rank 0's weights
-                dist.broadcast(p.data, src=0)
+            cls.broadcast_module(model)   # fully_shard does not broadcast: start every rank from rank 0's weights
             base = model.get_base_model() if hasattr(model, "get_base_model") else model   # under peft's wrapper
             layers = getattr(getattr(base, "model", None), "layers", None)
             for layer in layers if layers is not None else []:
@@ -127,6 +126,12 @@ class Parallel:
         else:
             raise ValueError(f"trainer.parallel={mode!r}; allowed: none, ddp, fsdp2")
         return cls(mode, dist.get_rank(), dist.get_world_size(), module)
+
+    @staticmethod
+    def broadcast_module(module) -> None:
+        """Rank 0's parameters into every rank's `module`, in place (a collective)."""
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
 
     @contextlib.contextmanager
     def gradient_sync(self, sync: bool):

@@ -24,7 +24,7 @@ import threading
 import torch
 import torch.distributed as dist
 
-from covrl.models import load_model
+from covrl.models import frozen_copy, load_model
 from covrl.train.distributed import Channel, full_model_state, init_process_group
 from covrl.train.run import mark_summary, resolve_device, seed_everything
 from covrl.train.runner import run_training
@@ -113,7 +113,8 @@ def follow(cfg, channel: Channel) -> int:
         if kind == "start":
             model, _ = load_model(cfg.model, seed=cfg.run.seed)
             model.to(resolve_device(cfg.run.device))
-            trainer = Trainer(model, cfg)
+            # a KL reference: a replica, filled with rank 0's reference at the first step (Trainer._distribute)
+            trainer = Trainer(model, cfg, ref_model=frozen_copy(model) if cfg.kl.coef > 0 else None)
             trainer.load_state_dict(payload)
         elif kind == "gather":
             full_model_state(trainer.model)

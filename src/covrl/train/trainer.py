@@ -172,8 +172,6 @@ class Trainer:
         self.leader = None    # rank 0 of a run: a Channel that sends each batch to the other ranks
         self._pending_shards: str | None = None   # fsdp2 resume: a dcp/ folder, loaded once the model is sharded
         if cfg.trainer.parallel != "none":
-            if ref_model is not None or cfg.kl.coef > 0:
-                raise ValueError("trainer.parallel with a KL reference (kl.coef > 0) is not supported yet")
             if cfg.trainer.parallel == "fsdp2":   # its per-rank gradients (before the reduce-scatter) are not read
                 self.noise = None
         self._hooked: _MicroNorms | None = None   # ddp: read by the comm hook during the synced backward
@@ -236,7 +234,9 @@ class Trainer:
             return self._skip(metrics, "empty generations: the batch holds no response tokens", t_start)
 
         rewards = batch.rewards.float()
-        ref_lp = self._reference_logprobs(batch) if self.ref_model is not None and cfg.kl.coef > 0 else None
+        par = self.parallel
+        own = None if par is None else shard_rows(batch.group_ids, par.world, par.rank)
+        ref_lp = self._reference_logprobs(batch, own) if self.ref_model is not None and cfg.kl.coef > 0 else None
         if ref_lp is not None:
             ref_kl = kl_estimate(batch.sampler_logprobs.float(), ref_lp, cfg.kl.kind) * mask
             metrics["kl_ref/seq_mean"] = float(ref_kl.sum(1).mean())
@@ -247,8 +247,6 @@ class Trainer:
                 metrics["kl_ref/reward_penalty"] = float(penalty.mean())
 
         alg = self.algorithm
-        par = self.parallel
-        own = None if par is None else shard_rows(batch.group_ids, par.world, par.rank)
         plan, aligned = self._plan(batch, own)
         if par is not None:   # every rank runs as many micro-batches (the last one reduces the gradients)
             plan = plan + [None] * (par.max_count(len(plan)) - len(plan))
@@ -385,6 +383,8 @@ class Trainer:
         # a resume from a one-process / DDP checkpoint (1 -> N): the plain optimizer's state, by parameter name
         carried = carry_optimizer_state(self.model, self.optimizer) if fsdp2 and self.optimizer.state else None
         self.parallel = Parallel.wrap(self.model, self.cfg.trainer.parallel)
+        if self.ref_model is not None:   # replicated, not sharded: frozen, no gradients or optimizer state to split
+            self.parallel.broadcast_module(self.ref_model)   # rank 0's reference (its warm-up or checkpoint)
         if self.parallel.mode == "ddp" and self.noise is not None:
             self.parallel.module.register_comm_hook(self, _local_norm_hook)
         if fsdp2:   # fully_shard replaced the parameters (DTensor shards)
@@ -508,17 +508,22 @@ class Trainer:
         return _Prepass(lp, sps, _Prepared(adv.advantages, weights, corr.keep), {**corr.metrics, **adv.metrics})
 
     @torch.no_grad()
-    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+    def _reference_logprobs(self, batch: RolloutBatch, own: list[int] | None = None) -> torch.Tensor:
+        """The frozen reference's log-probs of the full batch. Distributed (`own`: this rank's rows): each rank
+        forwards its shard through its replica of the reference and one all-reduce SUM assembles the full
+        batch's (the other rows are zeros: exact), which the reward-mode penalty and the metrics need."""
         rows, width = batch.response_ids.shape
         out = torch.zeros((rows, width), dtype=torch.float32, device=batch.response_ids.device)
+        mine = torch.arange(rows, device=out.device) if own is None else torch.as_tensor(own, dtype=torch.long,
+                                                                                           device=out.device)
         size = self.cfg.optim.micro_batch_size
-        for s in range(0, rows, size):
-            idx = torch.arange(s, min(s + size, rows), device=out.device)
+        for s in range(0, len(mine), size):
+            idx = mine[s:s + size]
             mb = _trim(batch.select(idx))
             fwd = forward_response(self.ref_model, mb, self.temperature, with_stats=False,
                                    share_prompts=self.cfg.optim.share_prompts)
             out[idx] = _pad_cols(fwd.logprobs.float(), width)
-        return out
+        return out if own is None else self.parallel.all_reduce(out)
 
     def _global(self, token_loss: torch.Tensor, idx: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the full-batch aggregate: its token losses placed in a [B, T] zero tensor
