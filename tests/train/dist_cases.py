@@ -41,7 +41,7 @@ CASES: dict[str, tuple[dict, dict]] = {
     # as a reward penalty (k1: the full batch's reference log-probs, assembled from the ranks' shards)
     "kl-loss": ({"kl.coef": 0.5, "kl.kind": "k3", "kl.straight_through": True}, {}),
     "kl-reward": ({"kl.coef": 0.5, "kl.kind": "k1", "kl.mode": "reward"}, {}),
-    # the gradient-noise split (ddp: from each rank's gradient before the all-reduce; fsdp2 logs none). One
+    # the gradient-noise split (ddp: from each rank's gradient before the all-reduce; fsdp2 runs it without). One
     # micro-batch per group: the ranks' micro-batches [g0] | [g1] [g2] are one process's, the same estimate
     "noise-micro": ({"logging.noise_scale": True, "optim.micro_batch_size": 4, "optim.max_grad_norm": None}, {}),
     # one micro-batch per rank: one process halves the batch [g0 g1] | [g2], the ranks split it [g0] | [g1 g2]
@@ -72,6 +72,7 @@ def case_batches(batch_opts: dict) -> list:
 
 def run_case(name: str, parallel: str = "none") -> dict:
     over, batch_opts = CASES[name]
+    over = {**over, "logging.noise_scale": False} if parallel == "fsdp2" else over   # refused there (config)
     cfg = tiny_cfg(**{"logging.noise_scale": False, "trainer.parallel": parallel, **over})
     model = make_model(seed=0)
     if cfg.model.lora is not None:

@@ -74,6 +74,14 @@ def test_world2_equals_one_process(world2, one_process, mode, name):
             assert md[k] == pytest.approx(ms[k], rel=METRIC_RTOL, abs=METRIC_ATOL), (name, step, k, ms[k], md[k])
 
 
+def test_fsdp2_refuses_the_noise_split_and_turns_the_default_off():
+    with pytest.raises(ValueError, match="logging.noise_scale=true cannot be measured under trainer.parallel=fsdp2"):
+        tiny_cfg(**{"trainer.parallel": "fsdp2", "logging.noise_scale": True})
+    assert tiny_cfg(**{"trainer.parallel": "fsdp2"}).logging.noise_scale is False   # the default: off there
+    assert tiny_cfg(**{"trainer.parallel": "ddp"}).logging.noise_scale is True      # on elsewhere
+    assert tiny_cfg().logging.noise_scale is True
+
+
 def test_shards_are_whole_groups_balanced_by_rows():
     gids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
     assert shard_rows(gids, 2, 0) == [0, 1, 2]

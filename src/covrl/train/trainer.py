@@ -171,9 +171,6 @@ class Trainer:
         self.parallel: Parallel | None = None   # wrapped at the first step (a collective: all ranks step)
         self.leader = None    # rank 0 of a run: a Channel that sends each batch to the other ranks
         self._pending_shards: str | None = None   # fsdp2 resume: a dcp/ folder, loaded once the model is sharded
-        if cfg.trainer.parallel != "none":
-            if cfg.trainer.parallel == "fsdp2":   # its per-rank gradients (before the reduce-scatter) are not read
-                self.noise = None
         self._hooked: _MicroNorms | None = None   # ddp: read by the comm hook during the synced backward
         self.temperature = float(cfg.sampler.temperature)
         self.rollouts = 0
