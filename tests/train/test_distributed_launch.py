@@ -128,16 +128,17 @@ def test_killed_rank_stops_the_run_and_resume_loses_nothing(tmp_path, straight):
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
-def test_torchrun_async_loop_equals_sync_and_resumes(tmp_path, straight):
-    """loop.mode=async (the thread pool of samplers on rank 0, unchanged) with a 2-rank ddp trainer at staleness
-    0: 2 steps, then `--resume` on one process's async loop to step 3 = the straight one-process sync run; the
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_torchrun_async_loop_equals_sync_and_resumes(tmp_path, straight, mode):
+    """loop.mode=async (the thread pool of samplers on rank 0, unchanged) with a 2-rank trainer at staleness 0
+    (fsdp2: the full weights gathered at each publish, in the loop's thread): 2 steps, then `--resume` on one process's async loop to step 3 = the straight one-process sync run; the
     staleness accounting is the async loop's (async/* metrics, staleness 0)."""
     base = ["--config", str(CONFIG), *OVERRIDES, f"run.output_dir={tmp_path}", "loop.mode=async",
             "async_loop.max_staleness_steps=0"]
-    two = _covrl([*base, "loop.steps=2", "trainer.parallel=ddp", "--name", "async"], ranks=2, cwd=tmp_path)
+    two = _covrl([*base, "loop.steps=2", f"trainer.parallel={mode}", "--name", "async"], ranks=2, cwd=tmp_path)
     assert two.returncode == 0, two.stderr[-3000:]
     summary = json.loads((tmp_path / "async" / "summary.json").read_text())
-    assert summary["trainer"] == {"parallel": "ddp", "world_size": 2}
+    assert summary["trainer"] == {"parallel": mode, "world_size": 2}
     resumed = _covrl(["--resume", "--name", str(tmp_path / "async"), "loop.steps=3", "trainer.parallel=none"],
                      ranks=None, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
@@ -150,6 +151,6 @@ def test_torchrun_async_loop_equals_sync_and_resumes(tmp_path, straight):
     assert r1 == r2 == 48
     weight_diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
     moment_diff = max(float((opt1[i][s] - opt2[i][s]).abs().max()) for i in opt1 for s in ("exp_avg", "exp_avg_sq"))
-    print(f"async 2-rank ddp (2 steps) + 1 resumed step vs straight sync: {weight_diff:.2g} / {moment_diff:.2g}; "
+    print(f"async 2-rank {mode} (2 steps) + 1 resumed step vs straight sync: {weight_diff:.2g} / {moment_diff:.2g}; "
           f"grad norms {[round(r['grad_norm'], 4) for r in records]}")
     assert weight_diff <= 5e-6 and moment_diff <= 1e-6, (weight_diff, moment_diff)

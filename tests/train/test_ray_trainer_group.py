@@ -1,4 +1,4 @@
-"""`loop.mode=ray trainer.parallel=ddp trainer.world_size=2`: two Ray trainer actors join one gloo group and run
+"""`loop.mode=ray trainer.parallel=ddp|fsdp2 trainer.world_size=2`: two Ray trainer actors join one gloo group and run
 covrl.train.distributed_run (rank 0 the leader: run folder, sampler actors, logging, checkpoints; rank 1 a
 follower), the code torchrun's ranks run. At staleness 0 the Ray loop trains on the sync loop's batches, so a
 2-step group run resumed to 3 steps (on one process's async loop; by a new group: the slow test) has the weights and Adam
@@ -47,12 +47,13 @@ def straight(tmp_path_factory):
     return _final(tmp_path / "one"), grad_norms
 
 
-def _group_then_resume(tmp_path, straight, resume: dict) -> None:
+def _group_then_resume(tmp_path, straight, resume: dict, mode: str = "ddp") -> None:
     with local_ray(tmp_path):
-        assert train_from_config(tiny_cfg(tmp_path, **COMMON, **GROUP, **{"run.name": "group",
-                                                                           "loop.steps": 2})) == 0
+        assert train_from_config(tiny_cfg(tmp_path, **COMMON, **{**GROUP, "run.name": "group", "loop.steps": 2,
+                                                                 "trainer.parallel": mode})) == 0
         summary = json.loads((tmp_path / "group" / "summary.json").read_text())
-        assert summary["trainer"] == {"parallel": "ddp", "world_size": 2} and summary["steps"] == 2
+        assert summary["trainer"] == {"parallel": mode, "world_size": 2} and summary["steps"] == 2
+        assert (ckpt.latest_checkpoint(tmp_path / "group") / ckpt.DCP_DIR).is_dir() == (mode == "fsdp2")
         assert train_from_config(tiny_cfg(tmp_path, **COMMON, **resume, **{"run.name": "group"}), resume=True) == 0
     summary = json.loads((tmp_path / "group" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3 and summary["resumed_from"]
@@ -66,15 +67,17 @@ def _group_then_resume(tmp_path, straight, resume: dict) -> None:
     weight_diff = max(float((got[k] - want[k]).abs().max()) for k in want)
     moment_diff = max(float((got_opt[i][s] - want_opt[i][s]).abs().max()) for i in want_opt
                       for s in ("exp_avg", "exp_avg_sq"))
-    print(f"ray group (2 ddp actors, 2 steps) resumed to 3 by {resume} vs one process: "
+    print(f"ray group (2 {mode} actors, 2 steps) resumed to 3 by {resume} vs one process: "
           f"weights {weight_diff:.2g}, Adam moments {moment_diff:.2g}")
     assert weight_diff <= 5e-6 and moment_diff <= 1e-6, (weight_diff, moment_diff)
 
 
-def test_ray_trainer_group_equals_one_process(tmp_path, straight):
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_ray_trainer_group_equals_one_process(tmp_path, straight, mode):
     """2 steps on the group, then --resume on one process (2 -> 1) to step 3: the local async loop, which
-    restores the queue and the sampler's RNG position from the group's checkpoint as the Ray loop does."""
-    _group_then_resume(tmp_path, straight, {"loop.mode": "async", "async_loop.max_staleness_steps": 0})
+    restores the queue and the sampler's RNG position from the group's checkpoint as the Ray loop does (fsdp2:
+    from the torch.distributed.checkpoint shards)."""
+    _group_then_resume(tmp_path, straight, {"loop.mode": "async", "async_loop.max_staleness_steps": 0}, mode)
 
 
 @pytest.mark.slow

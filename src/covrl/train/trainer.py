@@ -400,6 +400,13 @@ class Trainer:
         """The model is fully_shard-ed: checkpoints go through `save_sharded` (torch.distributed.checkpoint)."""
         return self.parallel is not None and self.parallel.mode == "fsdp2"
 
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """fsdp2: the full weights gathered from the shards onto rank 0's CPU (the others get {}), for the sampler.
+        A collective: rank 0 (the leader) tells the others to join."""
+        if self.leader is not None:
+            self.leader.send(("gather", None))
+        return full_model_state(self.model)
+
     def save_sharded(self, folder) -> dict[str, torch.Tensor]:
         """fsdp2: write this rank's shards of weights and optimizer state into `folder`/dcp and return the full
         weights (rank 0; the others get {}). A collective: rank 0 (the leader) tells the others to join."""
