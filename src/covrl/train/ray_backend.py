@@ -21,6 +21,7 @@ lazily; the same config runs on a laptop (local Ray instance) or a cluster (`asy
 from __future__ import annotations
 
 import os
+import sys
 from typing import Any
 
 import torch
@@ -171,15 +172,19 @@ class TrainerActor:
         `master`); returns `covrl train`'s exit code (a follower: rank 0's, sent at stop)."""
         if self.cfg.run.num_threads:
             torch.set_num_threads(self.cfg.run.num_threads)
-        if self.cfg.trainer.parallel == "none":
-            return run_training(self.cfg, prepare_async_run, train_ray, config_path=self.config_path,
-                                resume=self.resume)
-        # the environment torchrun gives its ranks (torch.distributed's env:// rendezvous reads it); Ray gives
-        # each actor its own GPUs (CUDA_VISIBLE_DEVICES), so its device is local rank 0
-        os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
-                          WORLD_SIZE=str(self.world), LOCAL_RANK="0")
-        return train_distributed(self.cfg, prepare_async_run, train_ray, config_path=self.config_path,
-                                 resume=self.resume)
+        try:
+            if self.cfg.trainer.parallel == "none":
+                return run_training(self.cfg, prepare_async_run, train_ray, config_path=self.config_path,
+                                    resume=self.resume)
+            # the environment torchrun gives its ranks (torch.distributed's env:// rendezvous reads it); Ray gives
+            # each actor its own GPUs (CUDA_VISIBLE_DEVICES), so its device is local rank 0
+            os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                              WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+            return train_distributed(self.cfg, prepare_async_run, train_ray, config_path=self.config_path,
+                                     resume=self.resume)
+        finally:   # the last lines (`done: ...`) reach the driver's console before the actor is killed
+            sys.stdout.flush()
+            sys.stderr.flush()
 
 
 def _train_group(ray, cfg, config_path: str | None, resume: bool) -> int:
