@@ -182,7 +182,7 @@ class TrainerActor:
                               WORLD_SIZE=str(self.world), LOCAL_RANK="0")
             return train_distributed(self.cfg, prepare_async_run, train_ray, config_path=self.config_path,
                                      resume=self.resume)
-        finally:   # the last lines (`done: ...`) reach the driver's console before the actor is killed
+        finally:   # the last lines (`done: ...`) reach the worker's log before the driver kills the actor
             sys.stdout.flush()
             sys.stderr.flush()
 
@@ -204,7 +204,8 @@ def _train_group(ray, cfg, config_path: str | None, resume: bool) -> int:
         except ray.exceptions.RayActorError as err:   # the leader itself died: nobody wrote the final summary
             print_err(f"trainer rank 0 died ({type(err).__name__}); resume with: covrl train --resume --name NAME")
             return PEER_DIED
-        ray.wait(calls[1:], num_returns=len(calls) - 1, timeout=cfg.trainer.timeout_s)   # followers heard "stop"
+        if len(calls) > 1:   # the followers return once they hear "stop"
+            ray.wait(calls[1:], num_returns=len(calls) - 1, timeout=cfg.trainer.timeout_s)
         return code
     finally:
         for a in actors:

@@ -168,6 +168,8 @@ class Trainer:
                                            weight_decay=o.weight_decay, **_fused_if_supported(self.params))
         self.surge = LengthSurgeSchedule(cfg.lr_surge, rollouts_per_step=cfg.loop.rollouts_per_step)
         self.noise = GradientNoiseMonitor() if cfg.logging.noise_scale else None
+        if self.noise is not None and cfg.trainer.parallel == "fsdp2":   # a config changed after validation
+            raise ValueError("logging.noise_scale=true is refused under trainer.parallel=fsdp2 (TrainConfig)")
         self.parallel: Parallel | None = None   # wrapped at the first step (a collective: all ranks step)
         self.leader = None    # rank 0 of a run: a Channel that sends each batch to the other ranks
         self._pending_shards: str | None = None   # fsdp2 resume: a dcp/ folder, loaded once the model is sharded
