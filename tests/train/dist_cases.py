@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from train_helpers import synthetic_batch, tiny_cfg
 
-from covrl.models import tiny_llama
+from covrl.models import frozen_copy, tiny_llama
 from covrl.models.loading import apply_lora
 from covrl.train.trainer import Trainer
 
@@ -37,7 +37,11 @@ CASES: dict[str, tuple[dict, dict]] = {
     "rank-without-rows": ({"algorithm.agg_mode": "seq-mean-token-sum"}, {"groups": 1}),
     # peft LoRA adapters on q/v (frozen base weights beside trainable adapters in the wrapped module)
     "lora": ({"model.lora": "{rank: 4, alpha: 8, target_modules: [q_proj, v_proj]}"}, {}),
-    # the gradient-noise split (ddp: from each rank's gradient before the all-reduce; fsdp2 logs none). One
+    # a KL reference (replicated; rank 0's broadcast at the first step): in the loss (k3, straight-through) and
+    # as a reward penalty (k1: the full batch's reference log-probs, assembled from the ranks' shards)
+    "kl-loss": ({"kl.coef": 0.5, "kl.kind": "k3", "kl.straight_through": True}, {}),
+    "kl-reward": ({"kl.coef": 0.5, "kl.kind": "k1", "kl.mode": "reward"}, {}),
+    # the gradient-noise split (ddp: from each rank's gradient before the all-reduce; fsdp2 runs it without). One
     # micro-batch per group: the ranks' micro-batches [g0] | [g1] [g2] are one process's, the same estimate
     "noise-micro": ({"logging.noise_scale": True, "optim.micro_batch_size": 4, "optim.max_grad_norm": None}, {}),
     # one micro-batch per rank: one process halves the batch [g0 g1] | [g2], the ranks split it [g0] | [g1 g2]
@@ -68,13 +72,19 @@ def case_batches(batch_opts: dict) -> list:
 
 def run_case(name: str, parallel: str = "none") -> dict:
     over, batch_opts = CASES[name]
+    over = {**over, "logging.noise_scale": False} if parallel == "fsdp2" else over   # refused there (config)
     cfg = tiny_cfg(**{"logging.noise_scale": False, "trainer.parallel": parallel, **over})
     model = make_model(seed=0)
     if cfg.model.lora is not None:
         with torch.random.fork_rng():   # the same adapter init in every process
             torch.manual_seed(0)
             model = apply_lora(model, cfg.model.lora)
-    trainer = Trainer(model, cfg)
+    ref = None
+    if cfg.kl.coef > 0:   # another model than the trained one; rank k > 0 starts from another one still, so the
+        # equality with one process shows that rank 0's reference reached every rank
+        rank = dist.get_rank() if parallel != "none" else 0
+        ref = frozen_copy(make_model(seed=2 + rank))
+    trainer = Trainer(model, cfg, ref_model=ref)
     metrics = [dict(trainer.step(b).metrics) for b in case_batches(batch_opts)]
     return {"metrics": metrics, "weights": {k: v.detach().clone() for k, v in _full_state(trainer).items()}}
 

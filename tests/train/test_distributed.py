@@ -74,6 +74,29 @@ def test_world2_equals_one_process(world2, one_process, mode, name):
             assert md[k] == pytest.approx(ms[k], rel=METRIC_RTOL, abs=METRIC_ATOL), (name, step, k, ms[k], md[k])
 
 
+def test_fsdp2_refuses_the_noise_split_and_turns_the_default_off():
+    with pytest.raises(ValueError, match="logging.noise_scale=true cannot be measured under trainer.parallel=fsdp2"):
+        tiny_cfg(**{"trainer.parallel": "fsdp2", "logging.noise_scale": True})
+    assert tiny_cfg(**{"trainer.parallel": "fsdp2"}).logging.noise_scale is False   # the default: off there
+    assert tiny_cfg(**{"trainer.parallel": "ddp"}).logging.noise_scale is True      # on elsewhere
+    assert tiny_cfg().logging.noise_scale is True
+
+
+def test_world_size_must_match_the_launcher(monkeypatch):
+    from covrl.train.distributed import init_process_group
+
+    cfg = tiny_cfg(**{"trainer.parallel": "ddp", "trainer.world_size": 2})
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)   # both checks come before joining
+    monkeypatch.delenv("WORLD_SIZE", raising=False)
+    with pytest.raises(ValueError, match="needs a launcher that starts the ranks"):
+        init_process_group(cfg.trainer)
+    monkeypatch.setenv("WORLD_SIZE", "3")
+    with pytest.raises(ValueError, match="the launcher started 3 ranks"):
+        init_process_group(cfg.trainer)
+    with pytest.raises(ValueError, match="async_loop.trainer_actor=false is for one trainer"):
+        tiny_cfg(**{"trainer.parallel": "ddp", "loop.mode": "ray", "async_loop.trainer_actor": False})
+
+
 def test_shards_are_whole_groups_balanced_by_rows():
     gids = torch.tensor([0, 0, 0, 1, 1, 1, 2, 2, 2])
     assert shard_rows(gids, 2, 0) == [0, 1, 2]

@@ -24,11 +24,14 @@ torch.set_num_threads(1)
 
 TORCHRUN = shutil.which("torchrun", path=str(Path(sys.executable).parent)) or shutil.which("torchrun")
 CONFIG = Path(__file__).resolve().parents[2] / "configs" / "tiny.yaml"
+# a warm-up long enough that each of the 3 steps has rewards to learn from (a non-zero gradient, asserted in
+# `straight`): a comparison of runs that never move their weights would prove nothing
 OVERRIDES = [
     "run.num_threads=1", "model.source=tiny", "model.tiny.hidden_size=32", "model.tiny.num_layers=1",
     "model.tiny.num_heads=2", "model.tiny.intermediate_size=64", "model.tiny.max_positions=48",
-    "task.name=arithmetic", "task.chat_template=false", "task.n_train=64", "task.n_eval=8",
-    "sampler.max_new_tokens=4", "sft_warmup.steps=3", "sft_warmup.batch_size=16", "optim.lr=3e-3",
+    "task.name=arithmetic", "task.arithmetic.num_terms=2", "task.chat_template=false", "task.n_train=64",
+    "task.n_eval=8", "sampler.max_new_tokens=4", "sft_warmup.steps=60", "sft_warmup.lr=3e-3",
+    "sft_warmup.batch_size=16", "optim.lr=3e-3",
     "loop.prompts_per_step=4", "loop.group_size=4", "eval.max_prompts=4", "logging.curves=false",
     "logging.progress_bar=false", "logging.noise_scale=false",
 ]
@@ -65,6 +68,8 @@ def straight(tmp_path_factory):
     run = _covrl(["--config", str(CONFIG), *OVERRIDES, f"run.output_dir={tmp_path}", "loop.steps=3", "--name",
                   "one"], ranks=None, cwd=tmp_path)
     assert run.returncode == 0, run.stderr[-3000:]
+    grad_norms = [json.loads(line)["grad_norm"] for line in (tmp_path / "one" / "metrics.jsonl").open()]
+    assert all(g > 0 for g in grad_norms), grad_norms
     return _final(tmp_path / "one")
 
 
@@ -119,4 +124,33 @@ def test_killed_rank_stops_the_run_and_resume_loses_nothing(tmp_path, straight):
     weight_diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
     moment_diff = max(float((opt1[i][s] - opt2[i][s]).abs().max()) for i in opt1 for s in ("exp_avg", "exp_avg_sq"))
     print(f"killed run stopped after {elapsed:.1f} s; resumed vs straight: {weight_diff:.2g} / {moment_diff:.2g}")
+    assert weight_diff <= 5e-6 and moment_diff <= 1e-6, (weight_diff, moment_diff)
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
+@pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
+def test_torchrun_async_loop_equals_sync_and_resumes(tmp_path, straight, mode):
+    """loop.mode=async (the thread pool of samplers on rank 0, unchanged) with a 2-rank trainer at staleness 0
+    (fsdp2: the full weights gathered at each publish, in the loop's thread): 2 steps, then `--resume` on one process's async loop to step 3 = the straight one-process sync run; the
+    staleness accounting is the async loop's (async/* metrics, staleness 0)."""
+    base = ["--config", str(CONFIG), *OVERRIDES, f"run.output_dir={tmp_path}", "loop.mode=async",
+            "async_loop.max_staleness_steps=0"]
+    two = _covrl([*base, "loop.steps=2", f"trainer.parallel={mode}", "--name", "async"], ranks=2, cwd=tmp_path)
+    assert two.returncode == 0, two.stderr[-3000:]
+    summary = json.loads((tmp_path / "async" / "summary.json").read_text())
+    assert summary["trainer"] == {"parallel": mode, "world_size": 2}
+    resumed = _covrl(["--resume", "--name", str(tmp_path / "async"), "loop.steps=3", "trainer.parallel=none"],
+                     ranks=None, cwd=tmp_path)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    records = [json.loads(line) for line in (tmp_path / "async" / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2, 3]
+    assert all(r["async/staleness_max"] == 0 and r["staleness"] == 0 and r["async/queue_rollouts"] == 0
+               for r in records)
+    w2, opt2, r2 = _final(tmp_path / "async")
+    w1, opt1, r1 = straight
+    assert r1 == r2 == 48
+    weight_diff = max(float((w1[k] - w2[k]).abs().max()) for k in w1)
+    moment_diff = max(float((opt1[i][s] - opt2[i][s]).abs().max()) for i in opt1 for s in ("exp_avg", "exp_avg_sq"))
+    print(f"async 2-rank {mode} (2 steps) + 1 resumed step vs straight sync: {weight_diff:.2g} / {moment_diff:.2g}; "
+          f"grad norms {[round(r['grad_norm'], 4) for r in records]}")
     assert weight_diff <= 5e-6 and moment_diff <= 1e-6, (weight_diff, moment_diff)

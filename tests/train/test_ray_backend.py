@@ -3,14 +3,14 @@ process. At staleness 0 it reproduces the sync loop exactly; at staleness 1 the 
 
 from __future__ import annotations
 
-import shutil
-import tempfile
 from pathlib import Path
 
 import pytest
 import torch
 
 ray = pytest.importorskip("ray")
+
+import train_helpers  # noqa: E402
 
 from covrl.train.async_loop import prepare_async_run  # noqa: E402
 from covrl.train.loop import train_sync  # noqa: E402
@@ -29,17 +29,9 @@ def comparable(records):
 
 
 @pytest.fixture
-def local_ray(tmp_path, monkeypatch):
-    monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
-    # Ray's socket paths must stay under ~107 characters: use a short folder
-    temp = tmp_path / "r" if len(str(tmp_path)) <= 40 else Path(tempfile.mkdtemp(prefix="covrl-ray-"))
-    temp.mkdir(exist_ok=True)
-    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False)
-    try:
+def local_ray(tmp_path):
+    with train_helpers.local_ray(tmp_path):
         yield
-    finally:
-        ray.shutdown()
-        shutil.rmtree(temp, ignore_errors=True)
 
 
 def test_ray_backend_smoke(tmp_path, local_ray):

@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import os
+import shutil
+import tempfile
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -76,3 +81,20 @@ def synthetic_batch(model, *, groups=3, group_size=4, prompt_len=5, max_len=6, v
     rewards = torch.randint(0, 2, (rows,), generator=g).float()
     rewards[:group_size] = torch.tensor([1.0, 0.0] * (group_size // 2) + [1.0] * (group_size % 2))
     return batch.scored(rewards)
+
+
+@contextlib.contextmanager
+def local_ray(tmp_path):
+    """A local 2-CPU Ray instance for one test (its session folder short: Ray's socket paths must stay under ~107
+    characters), always shut down. Workers inherit this process's environment (PYTHONPATH included)."""
+    import ray
+
+    os.environ.setdefault("RAY_AUTH_MODE", "disabled")
+    temp = tmp_path / "r" if len(str(tmp_path)) <= 40 else Path(tempfile.mkdtemp(prefix="covrl-ray-"))
+    temp.mkdir(exist_ok=True)
+    ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False)
+    try:
+        yield ray
+    finally:
+        ray.shutdown()
+        shutil.rmtree(temp, ignore_errors=True)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import socket
 import statistics
 import tempfile
 import time
@@ -33,7 +32,7 @@ from covrl.bench.common import load1, source_state, write_bench
 from covrl.bench.models import DEFAULT_CACHE, load_model
 from covrl.bench.settings import StepSettings, bench_train_config, default_task_overrides
 from covrl.bench.step_bench import synthetic_batch
-from covrl.train.distributed import Channel
+from covrl.train.distributed import Channel, free_port
 from covrl.train.trainer import Trainer
 
 
@@ -140,12 +139,6 @@ def _worker(rank: int, world: int, port: int, opts: dict, out: str) -> None:
         dist.destroy_process_group()
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _median(rows: list[dict], key: str) -> float:
     return statistics.median(r[key] for r in rows)
 
@@ -166,7 +159,7 @@ def run(args: argparse.Namespace) -> int:
         setups[f"1x{threads}"] = _setups(0, 1, {**opts, "threads": threads})["none"]
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "world.pt")
-        mp.spawn(_worker, args=(args.world, _free_port(), opts, out), nprocs=args.world, join=True)
+        mp.spawn(_worker, args=(args.world, free_port(), opts, out), nprocs=args.world, join=True)
         dist_results = torch.load(out, weights_only=True)
     for mode in ("ddp", "ddp-no-sync", "fsdp2"):
         setups[f"{args.world}x{args.threads} {mode}"] = dist_results[mode]

@@ -133,7 +133,9 @@ class AsyncSource:
         self.run.stream.position = self.run.trainer.rollouts // st.group_size
 
     def publish(self, model, version: int) -> None:
-        self.pool.publish(model, version)
+        # a fully_shard-ed trainer (fsdp2) holds shards: gather the full weights here, in the loop's thread (a
+        # collective the other ranks join between steps), so that no sampler thread ever starts one
+        self.pool.publish(self.run.trainer.full_weights() if self.run.trainer.sharded else model, version)
 
     def step_metrics(self, result: StepResult) -> dict[str, float]:
         st = self.state

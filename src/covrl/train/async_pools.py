@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import threading
 import time
+from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
 import torch
@@ -131,8 +132,10 @@ class AsyncState:
 
 
 def clone_weights(model) -> dict[str, torch.Tensor]:
-    """A snapshot of the trainer's weights that later optimizer steps do not modify."""
-    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+    """A snapshot of the trainer's weights (a module, or weights already gathered: a dict) that later optimizer
+    steps do not modify."""
+    weights = model if isinstance(model, Mapping) else model.state_dict()
+    return {k: v.detach().clone() for k, v in weights.items()}
 
 
 def floor_probe(reference_model, batch: RolloutBatch, temperature: float) -> float:

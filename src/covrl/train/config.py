@@ -197,9 +197,10 @@ class LoggingConfig(Section):
     wandb_project: str = Field("covrl", description="wandb project name")
     curves: bool = Field(True, description="draw curves.png at the end of the run")
     diagnostics: bool = Field(True, description="log tangent/remainder/kl_seq/bound (RESEARCH §5) each step")
-    noise_scale: bool = Field(
-        True, description="log the gradient noise split noise/* (RESEARCH §7, parameter units) from micro-batch "
-        "gradient norms; a step that fits one micro-batch is then run as two halves of whole groups")
+    noise_scale: bool | None = Field(
+        None, description="log the gradient noise split noise/* (RESEARCH §7, parameter units) from micro-batch "
+        "gradient norms; a step that fits one micro-batch is then run as two halves of whole groups. None: on, "
+        "except under trainer.parallel=fsdp2, which cannot measure it (docs/distributed.md)")
 
 
 class TrainConfig(Section):
@@ -237,9 +238,15 @@ class TrainConfig(Section):
         if self.loop.mode != "sync":
             self.async_loop.check_against(prompts_per_step=self.loop.prompts_per_step,
                                           group_size=self.loop.group_size, sync_every=self.sampler.sync_every)
-        if self.trainer.parallel != "none" and (self.loop.mode == "ray" or self.kl.coef > 0):
-            raise ValueError(f"trainer.parallel={self.trainer.parallel} runs loop.mode=sync/async without a KL "
-                             "reference for now (docs/distributed.md)")
+        if self.trainer.parallel != "none" and self.loop.mode == "ray" and not self.async_loop.trainer_actor:
+            raise ValueError("loop.mode=ray with trainer.parallel runs the trainer ranks as Ray actors "
+                             "(trainer.world_size of them): async_loop.trainer_actor=false is for one trainer")
+        if self.logging.noise_scale is None:   # on wherever the per-rank gradients can be read
+            self.logging.noise_scale = self.trainer.parallel != "fsdp2"
+        elif self.logging.noise_scale and self.trainer.parallel == "fsdp2":
+            raise ValueError("logging.noise_scale=true cannot be measured under trainer.parallel=fsdp2: the split "
+                             "needs each rank's own gradient, which FSDP2 reduce-scatters without exposing it; "
+                             "set logging.noise_scale=false (or use trainer.parallel=ddp; docs/distributed.md)")
         if self.loop.dynamic_sampling and (self.loop.mode != "sync" or self.trainer.parallel != "none"):
             raise ValueError("loop.dynamic_sampling=true runs with loop.mode=sync and trainer.parallel=none only")
         overlong = self.task.overlong_reward

@@ -23,8 +23,8 @@ from pydantic import Field, field_validator
 
 from covrl.settings import Section
 
-__all__ = ["Channel", "Parallel", "TrainerConfig", "carry_optimizer_state", "full_model_state", "init_process_group",
-           "apply_optimizer_state", "load_sharded", "save_sharded", "shard_rows"]
+__all__ = ["Channel", "Parallel", "TrainerConfig", "carry_optimizer_state", "free_port", "full_model_state",
+           "init_process_group", "apply_optimizer_state", "load_sharded", "save_sharded", "shard_rows"]
 
 
 class TrainerConfig(Section):
@@ -35,6 +35,10 @@ class TrainerConfig(Section):
                                                                          "cuda, gloo on cpu)")
     timeout_s: float = Field(1800.0, gt=0, description="collective timeout: a rank waits this long for the "
                                                        "others (rank 0's eval and checkpoints included)")
+    world_size: int | None = Field(
+        None, ge=1, description="trainer ranks: under loop.mode=ray the number of trainer actors Ray starts (None: "
+                                "1); under torchrun its --nproc-per-node x --nnodes (None: take it; a number must "
+                                "match)")
 
     @field_validator("parallel", mode="before")
     @classmethod
@@ -49,18 +53,25 @@ def init_process_group(cfg: TrainerConfig, device: str = "cpu") -> tuple[int, in
         backend = cfg.backend if cfg.backend != "auto" else ("nccl" if device == "cuda" else "gloo")
         timeout = datetime.timedelta(seconds=cfg.timeout_s)
         if "WORLD_SIZE" in os.environ:
+            if cfg.world_size is not None and cfg.world_size != int(os.environ["WORLD_SIZE"]):
+                raise ValueError(f"trainer.world_size={cfg.world_size} but the launcher started "
+                                 f"{os.environ['WORLD_SIZE']} ranks (WORLD_SIZE)")
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
             dist.init_process_group(backend, timeout=timeout)
         else:
-            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{_free_port()}", rank=0, world_size=1,
+            if (cfg.world_size or 1) > 1:
+                raise ValueError(f"trainer.world_size={cfg.world_size} needs a launcher that starts the ranks: "
+                                 "torchrun --nproc-per-node N, or loop.mode=ray (docs/distributed.md)")
+            dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                     timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
 
 
-def _free_port() -> int:
+def free_port(host: str = "127.0.0.1") -> int:
+    """A TCP port free on `host` now (for a process group's rendezvous: MASTER_PORT)."""
     with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
+        s.bind((host, 0))
         return s.getsockname()[1]
 
 
@@ -106,8 +117,7 @@ class Parallel:
         elif mode == "fsdp2":
             from torch.distributed.fsdp import fully_shard
 
-            for p in model.parameters():   # fully_shard does not broadcast: start every rank from rank 0's weights
-                dist.broadcast(p.data, src=0)
+            cls.broadcast_module(model)   # fully_shard does not broadcast: start every rank from rank 0's weights
             base = model.get_base_model() if hasattr(model, "get_base_model") else model   # under peft's wrapper
             layers = getattr(getattr(base, "model", None), "layers", None)
             for layer in layers if layers is not None else []:
@@ -116,6 +126,12 @@ class Parallel:
         else:
             raise ValueError(f"trainer.parallel={mode!r}; allowed: none, ddp, fsdp2")
         return cls(mode, dist.get_rank(), dist.get_world_size(), module)
+
+    @staticmethod
+    def broadcast_module(module) -> None:
+        """Rank 0's parameters into every rank's `module`, in place (a collective)."""
+        for p in module.parameters():
+            dist.broadcast(p.data, src=0)
 
     @contextlib.contextmanager
     def gradient_sync(self, sync: bool):

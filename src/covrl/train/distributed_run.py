@@ -19,12 +19,13 @@ from __future__ import annotations
 import contextlib
 import signal
 import sys
+import threading
 
 import torch
 import torch.distributed as dist
 
-from covrl.models import load_model
-from covrl.train.distributed import Channel, full_model_state, init_process_group
+from covrl.models import frozen_copy, load_model
+from covrl.train.distributed import Channel, init_process_group
 from covrl.train.run import mark_summary, resolve_device, seed_everything
 from covrl.train.runner import run_training
 from covrl.train.trainer import Trainer, TrainingDivergedError
@@ -37,9 +38,6 @@ PEER_DIED = 6   # rank 0's exit code when another rank died mid-run (covrl.train
 def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bool = False) -> int:
     """The exit code of this rank (rank 0: run_training's table; followers: rank 0's code, sent at stop)."""
     fsdp2 = cfg.trainer.parallel == "fsdp2"
-    if fsdp2 and cfg.loop.mode != "sync":   # the async sampler thread's weight gather would race the step's collectives
-        raise ValueError("trainer.parallel=fsdp2 runs loop.mode=sync for now (docs/distributed.md); "
-                         "trainer.parallel=ddp runs the async loop too")
     if fsdp2:   # the sampler cannot run the sharded model: it keeps its own copy, fed by a gather
         cfg.sampler.share_weights = "never"
     rank, world = init_process_group(cfg.trainer, cfg.run.device)
@@ -57,7 +55,7 @@ def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bo
             channel.send(("start", run.trainer.state_dict()))   # a resumed optimizer / data clock too
             run.trainer.leader = channel
             if fsdp2:
-                run.sampler = _GatheringSampler(run.sampler, run.trainer, channel)
+                run.sampler = _GatheringSampler(run.sampler, run.trainer)
             return run
 
         crash: BaseException | None = None
@@ -67,7 +65,8 @@ def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bo
             crash = err
         # when a rank dies, the survivor's collective raises and torchrun's agent SIGTERMs it, in either order,
         # possibly while the lines above handle the first: finish the bookkeeping undisturbed
-        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) if world > 1 else None
+        previous = signal.signal(signal.SIGTERM, signal.SIG_IGN) \
+            if world > 1 and threading.current_thread() is threading.main_thread() else None
         try:
             lost = _stop(channel, code)
             if lost is not None and run_dirs:   # the group is broken: whatever came first, a rank died
@@ -111,10 +110,11 @@ def follow(cfg, channel: Channel) -> int:
         if kind == "start":
             model, _ = load_model(cfg.model, seed=cfg.run.seed)
             model.to(resolve_device(cfg.run.device))
-            trainer = Trainer(model, cfg)
+            # a KL reference: a replica, filled with rank 0's reference at the first step (Trainer._distribute)
+            trainer = Trainer(model, cfg, ref_model=frozen_copy(model) if cfg.kl.coef > 0 else None)
             trainer.load_state_dict(payload)
         elif kind == "gather":
-            full_model_state(trainer.model)
+            trainer.full_weights()
         elif kind == "checkpoint":    # rank 0 writes the folder's other files and the COMPLETE marker
             trainer.save_sharded(payload)
         elif kind == "step":
@@ -127,11 +127,13 @@ def follow(cfg, channel: Channel) -> int:
 
 
 class _GatheringSampler:
-    """Rank 0's sampler under fsdp2: `load_weights` gathers the full weights from the shards (the followers
-    join the collective on a "gather" message); everything else is the sampler's."""
+    """Rank 0's sampler under fsdp2: `load_weights(model)` gathers the full weights from the shards (the
+    followers join the collective on a "gather" message); weights already gathered (a dict: the async pools
+    gather at publish, in the loop's thread, and a sampler thread loads them later) pass through; everything
+    else is the sampler's."""
 
-    def __init__(self, sampler, trainer: Trainer, channel: Channel):
-        self.__dict__.update(_sampler=sampler, _trainer=trainer, _channel=channel)
+    def __init__(self, sampler, trainer: Trainer):
+        self.__dict__.update(_sampler=sampler, _trainer=trainer)
 
     def __getattr__(self, name):
         return getattr(self._sampler, name)
@@ -140,7 +142,7 @@ class _GatheringSampler:
         setattr(self._sampler, name, value)
 
     def load_weights(self, model, version: int) -> None:
-        if self._trainer.parallel is None:   # before the first step the model is not sharded yet
+        if model is not self._trainer.model or not self._trainer.sharded:   # gathered, or not sharded yet
             return self._sampler.load_weights(model, version)
-        self._channel.send(("gather", None))
-        self._sampler.load_weights(full_model_state(self._trainer.model), version)
+        # the gather is a collective: only the loop's thread may start it (it orders rank 0's messages)
+        self._sampler.load_weights(self._trainer.full_weights(), version)

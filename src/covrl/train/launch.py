@@ -5,8 +5,9 @@
     async      prepare_async_run          train_async  (AsyncSource over the thread / process / serial pool)
     ray        train_from_config_ray: join or start Ray, then the same trainer side in an actor or here
 
-trainer.parallel = ddp / fsdp2 (sync and async modes, under torchrun): covrl.train.distributed_run, rank 0 runs
-the row above as the leader and the other ranks follow it (docs/distributed.md).
+trainer.parallel = ddp / fsdp2: covrl.train.distributed_run, rank 0 runs the row above as the leader and the
+other ranks follow it; the ranks are torchrun's (sync, async) or trainer.world_size Ray actors (ray;
+covrl.train.ray_backend) (docs/distributed.md).
 """
 
 from __future__ import annotations

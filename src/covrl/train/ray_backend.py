@@ -7,6 +7,11 @@ driver, and weights travel through Ray's object store.
                       SamplerActor × num_samplers  <──────────┘  weights: ray.put(state_dict) once per sync;
                                                                  an actor fetches them only when its version is older
 
+With trainer.parallel=ddp|fsdp2 the trainer side is a group of trainer.world_size TrainerActors, one
+torch.distributed rank each (the driver asks rank 0's actor for a rendezvous address and port and gives it to
+all); they run covrl.train.distributed_run as torchrun's ranks do: rank 0 the leader (run folder, sampler actors,
+logging, eval, checkpoints), the others followers (docs/distributed.md).
+
 Each sampler actor (`covrl.train.worker_pool.SamplerWorker`) is stateless apart from its weights: the generator
 state before a chunk is sent with the chunk (and the state after it comes back), so a chunk can be regenerated
 exactly after a resume and the trainer side's checkpoint holds every actor's RNG position. Ray is an optional extra (`pip install 'covrl[ray]'`), imported
@@ -15,6 +20,8 @@ lazily; the same config runs on a laptop (local Ray instance) or a cluster (`asy
 
 from __future__ import annotations
 
+import os
+import sys
 from typing import Any
 
 import torch
@@ -23,6 +30,8 @@ from covrl._lazy import require
 from covrl.train.async_loop import prepare_async_run, train_async
 from covrl.train.async_pools import AsyncState
 from covrl.train.config import TrainConfig
+from covrl.train.distributed import free_port
+from covrl.train.distributed_run import PEER_DIED, train_distributed
 from covrl.train.runner import print_err, run_training
 from covrl.train.worker_pool import DispatchPool, SamplerWorker
 
@@ -140,27 +149,74 @@ def train_ray(run, *, stop_after: int | None = None, actors: list | None = None)
 
 
 class TrainerActor:
-    """The trainer side inside a Ray actor (placed where `trainer_cpus`/`trainer_gpus` are free); it writes
-    the run folder on its node and creates the sampler actors."""
+    """The trainer side inside a Ray actor (placed where `trainer_cpus`/`trainer_gpus` are free). Alone
+    (trainer.parallel=none) it is the whole trainer side: it writes the run folder on its node and creates the
+    sampler actors. In a group (trainer.parallel=ddp|fsdp2, trainer.world_size actors) it is one rank of the
+    torch.distributed trainer: rank 0 is that same trainer side as the leader, the others follow it
+    (covrl.train.distributed_run, the code torchrun's ranks run)."""
 
-    def __init__(self, cfg_dict: dict, config_path: str | None, resume: bool):
+    def __init__(self, cfg_dict: dict, config_path: str | None, resume: bool, rank: int = 0, world: int = 1):
         self.cfg = TrainConfig.model_validate(cfg_dict)
         self.config_path = config_path
         self.resume = resume
+        self.rank, self.world = rank, world
 
-    def train(self) -> int:
-        """The whole trainer side (covrl.train.runner.run_training): run folder, training, final summary; returns
-        `covrl train`'s exit code."""
+    def endpoint(self) -> tuple[str, int]:
+        """This actor's node address and a port free there: the group's rendezvous (MASTER_ADDR/PORT), asked of
+        rank 0 because only its node knows which of its ports are free."""
+        address = _ray().util.get_node_ip_address()
+        return address, free_port(address)
+
+    def train(self, master: tuple[str, int] | None = None) -> int:
+        """The whole trainer side (covrl.train.runner.run_training) or this rank of the group (joined at
+        `master`); returns `covrl train`'s exit code (a follower: rank 0's, sent at stop)."""
         if self.cfg.run.num_threads:
             torch.set_num_threads(self.cfg.run.num_threads)
-        return run_training(self.cfg, prepare_async_run, train_ray, config_path=self.config_path,
-                            resume=self.resume)
+        try:
+            if self.cfg.trainer.parallel == "none":
+                return run_training(self.cfg, prepare_async_run, train_ray, config_path=self.config_path,
+                                    resume=self.resume)
+            # the environment torchrun gives its ranks (torch.distributed's env:// rendezvous reads it); Ray gives
+            # each actor its own GPUs (CUDA_VISIBLE_DEVICES), so its device is local rank 0
+            os.environ.update(MASTER_ADDR=master[0], MASTER_PORT=str(master[1]), RANK=str(self.rank),
+                              WORLD_SIZE=str(self.world), LOCAL_RANK="0")
+            return train_distributed(self.cfg, prepare_async_run, train_ray, config_path=self.config_path,
+                                     resume=self.resume)
+        finally:   # the last lines (`done: ...`) reach the worker's log before the driver kills the actor
+            sys.stdout.flush()
+            sys.stderr.flush()
+
+
+def _train_group(ray, cfg, config_path: str | None, resume: bool) -> int:
+    """trainer.world_size trainer actors joined in one process group; rank 0's exit code. Plain actors calling
+    init_process_group rather than ray.train's TorchTrainer: the ranks must run distributed_run exactly as
+    under torchrun (leader / followers, the run folder and exit codes of covrl.train.runner), which TorchTrainer
+    would wrap in its own run storage, reporting and failure policy; the group itself is these few lines."""
+    acfg = cfg.async_loop
+    world = cfg.trainer.world_size or 1
+    cls = ray.remote(TrainerActor).options(num_cpus=acfg.trainer_cpus, num_gpus=acfg.trainer_gpus)
+    actors = [cls.remote(cfg.model_dump(mode="json"), config_path, resume, rank, world) for rank in range(world)]
+    try:
+        master = ray.get(actors[0].endpoint.remote())
+        calls = [a.train.remote(master) for a in actors]
+        try:
+            code = ray.get(calls[0])   # the leader ends the run: 6 when another rank died (its collective broke)
+        except ray.exceptions.RayActorError as err:   # the leader itself died: nobody wrote the final summary
+            print_err(f"trainer rank 0 died ({type(err).__name__}); resume with: covrl train --resume --name NAME")
+            return PEER_DIED
+        if len(calls) > 1:   # the followers return once they hear "stop"
+            ray.wait(calls[1:], num_returns=len(calls) - 1, timeout=cfg.trainer.timeout_s)
+        return code
+    finally:
+        for a in actors:
+            ray.kill(a)
 
 
 def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int:
     """`covrl train` with loop.mode=ray: join or start Ray, then the trainer side (covrl.train.runner.run_training,
     with the same exit codes and final summary.json statuses as the local loops) in this process or, with
-    async_loop.trainer_actor, in an actor placed by Ray."""
+    async_loop.trainer_actor, in an actor placed by Ray; with trainer.parallel, in a group of
+    trainer.world_size actors (one torch.distributed rank each)."""
     try:
         ray = _ray()
     except ImportError as err:
@@ -169,6 +225,8 @@ def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int
     acfg = cfg.async_loop
     started = ensure_ray(acfg)
     try:
+        if cfg.trainer.parallel != "none":
+            return _train_group(ray, cfg, None if config_path is None else str(config_path), resume)
         if acfg.trainer_actor:
             actor = ray.remote(TrainerActor).options(num_cpus=acfg.trainer_cpus, num_gpus=acfg.trainer_gpus).remote(
                 cfg.model_dump(mode="json"), None if config_path is None else str(config_path), resume)

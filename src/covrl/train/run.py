@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.distributed as dist
 
 from covrl.models import frozen_copy, load_model
 from covrl.rollout import build_sampler
@@ -246,6 +247,9 @@ class Run:
             "versions": versions(), "git": git_info(), "seed": self.cfg.run.seed,
             # results depend on the thread count (float summation order): part of what reproduces a run
             "torch_threads": torch.get_num_threads(),
+            # the trainer ranks this run stepped on (trainer.parallel; torchrun's or Ray's group)
+            "trainer": {"parallel": self.cfg.trainer.parallel,
+                        "world_size": dist.get_world_size() if dist.is_initialized() else 1},
             "config": "config.yaml",
         }
 

@@ -168,14 +168,11 @@ class Trainer:
                                            weight_decay=o.weight_decay, **_fused_if_supported(self.params))
         self.surge = LengthSurgeSchedule(cfg.lr_surge, rollouts_per_step=cfg.loop.rollouts_per_step)
         self.noise = GradientNoiseMonitor() if cfg.logging.noise_scale else None
+        if self.noise is not None and cfg.trainer.parallel == "fsdp2":   # a config changed after validation
+            raise ValueError("logging.noise_scale=true is refused under trainer.parallel=fsdp2 (TrainConfig)")
         self.parallel: Parallel | None = None   # wrapped at the first step (a collective: all ranks step)
         self.leader = None    # rank 0 of a run: a Channel that sends each batch to the other ranks
         self._pending_shards: str | None = None   # fsdp2 resume: a dcp/ folder, loaded once the model is sharded
-        if cfg.trainer.parallel != "none":
-            if ref_model is not None or cfg.kl.coef > 0:
-                raise ValueError("trainer.parallel with a KL reference (kl.coef > 0) is not supported yet")
-            if cfg.trainer.parallel == "fsdp2":   # its per-rank gradients (before the reduce-scatter) are not read
-                self.noise = None
         self._hooked: _MicroNorms | None = None   # ddp: read by the comm hook during the synced backward
         self.temperature = float(cfg.sampler.temperature)
         self.rollouts = 0
@@ -238,7 +235,9 @@ class Trainer:
             return self._skip(metrics, "empty generations: the batch holds no response tokens", t_start)
 
         rewards = batch.rewards.float()
-        ref_lp = self._reference_logprobs(batch) if self.ref_model is not None and cfg.kl.coef > 0 else None
+        par = self.parallel
+        own = None if par is None else shard_rows(batch.group_ids, par.world, par.rank)
+        ref_lp = self._reference_logprobs(batch, own) if self.ref_model is not None and cfg.kl.coef > 0 else None
         if ref_lp is not None:
             ref_kl = kl_estimate(batch.sampler_logprobs.float(), ref_lp, cfg.kl.kind) * mask
             metrics["kl_ref/seq_mean"] = float(ref_kl.sum(1).mean())
@@ -249,8 +248,6 @@ class Trainer:
                 metrics["kl_ref/reward_penalty"] = float(penalty.mean())
 
         alg = self.algorithm
-        par = self.parallel
-        own = None if par is None else shard_rows(batch.group_ids, par.world, par.rank)
         plan, aligned = self._plan(batch, own)
         if par is not None:   # every rank runs as many micro-batches (the last one reduces the gradients)
             plan = plan + [None] * (par.max_count(len(plan)) - len(plan))
@@ -387,6 +384,8 @@ class Trainer:
         # a resume from a one-process / DDP checkpoint (1 -> N): the plain optimizer's state, by parameter name
         carried = carry_optimizer_state(self.model, self.optimizer) if fsdp2 and self.optimizer.state else None
         self.parallel = Parallel.wrap(self.model, self.cfg.trainer.parallel)
+        if self.ref_model is not None:   # replicated, not sharded: frozen, no gradients or optimizer state to split
+            self.parallel.broadcast_module(self.ref_model)   # rank 0's reference (its warm-up or checkpoint)
         if self.parallel.mode == "ddp" and self.noise is not None:
             self.parallel.module.register_comm_hook(self, _local_norm_hook)
         if fsdp2:   # fully_shard replaced the parameters (DTensor shards)
@@ -404,6 +403,13 @@ class Trainer:
     def sharded(self) -> bool:
         """The model is fully_shard-ed: checkpoints go through `save_sharded` (torch.distributed.checkpoint)."""
         return self.parallel is not None and self.parallel.mode == "fsdp2"
+
+    def full_weights(self) -> dict[str, torch.Tensor]:
+        """fsdp2: the full weights gathered from the shards onto rank 0's CPU (the others get {}), for the sampler.
+        A collective: rank 0 (the leader) tells the others to join."""
+        if self.leader is not None:
+            self.leader.send(("gather", None))
+        return full_model_state(self.model)
 
     def save_sharded(self, folder) -> dict[str, torch.Tensor]:
         """fsdp2: write this rank's shards of weights and optimizer state into `folder`/dcp and return the full
@@ -510,17 +516,22 @@ class Trainer:
         return _Prepass(lp, sps, _Prepared(adv.advantages, weights, corr.keep), {**corr.metrics, **adv.metrics})
 
     @torch.no_grad()
-    def _reference_logprobs(self, batch: RolloutBatch) -> torch.Tensor:
+    def _reference_logprobs(self, batch: RolloutBatch, own: list[int] | None = None) -> torch.Tensor:
+        """The frozen reference's log-probs of the full batch. Distributed (`own`: this rank's rows): each rank
+        forwards its shard through its replica of the reference and one all-reduce SUM assembles the full
+        batch's (the other rows are zeros: exact), which the reward-mode penalty and the metrics need."""
         rows, width = batch.response_ids.shape
         out = torch.zeros((rows, width), dtype=torch.float32, device=batch.response_ids.device)
+        mine = torch.arange(rows, device=out.device) if own is None else torch.as_tensor(own, dtype=torch.long,
+                                                                                           device=out.device)
         size = self.cfg.optim.micro_batch_size
-        for s in range(0, rows, size):
-            idx = torch.arange(s, min(s + size, rows), device=out.device)
+        for s in range(0, len(mine), size):
+            idx = mine[s:s + size]
             mb = _trim(batch.select(idx))
             fwd = forward_response(self.ref_model, mb, self.temperature, with_stats=False,
                                    share_prompts=self.cfg.optim.share_prompts)
             out[idx] = _pad_cols(fwd.logprobs.float(), width)
-        return out
+        return out if own is None else self.parallel.all_reduce(out)
 
     def _global(self, token_loss: torch.Tensor, idx: torch.Tensor, full_mask: torch.Tensor) -> torch.Tensor:
         """This micro-batch's share of the full-batch aggregate: its token losses placed in a [B, T] zero tensor
