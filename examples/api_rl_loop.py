@@ -8,7 +8,7 @@ same computation as `covrl train -c configs/tiny.yaml`: same tokens, rewards and
 
     python examples/api_rl_loop.py                          # the preset: 400 steps, ~1 min on one core
     python examples/api_rl_loop.py --steps 50 --loss ppo_clip
-    python examples/api_rl_loop.py --preset default --steps 30     # SmolLM2-135M-Instruct, one-digit addition
+    python examples/api_rl_loop.py --config default         # SmolLM2-135M-Instruct, one-digit addition, 30 steps
 """
 
 from __future__ import annotations
@@ -41,6 +41,12 @@ def train(preset: str = "tiny", overrides: dict | None = None, *, steps: int | N
     adam = AdamParams(learning_rate=o.lr, beta1=o.betas[0], beta2=o.betas[1], eps=o.eps,
                       weight_decay=o.weight_decay, grad_clip_norm=o.max_grad_norm or 0.0)
     n = cfg.loop.group_size
+    # covrl train's gradient-noise monitor (logging.noise_scale, on in both presets' defaults) runs a step that
+    # fits one micro-batch as two halves of whole groups; the same two micro-batches here sum the gradient in the
+    # same order, so the run stays identical to `covrl train` (one micro-batch differs by float rounding)
+    if cfg.logging.noise_scale and cfg.loop.prompts_per_step >= 2 \
+            and cfg.loop.prompts_per_step * n <= cfg.optim.micro_batch_size:
+        client.micro_batch_size = n * ((cfg.loop.prompts_per_step + 1) // 2)   # the trainer's first half
 
     sampling = client.save_weights_and_get_sampling_client()
     before = greedy_accuracy(sampling, task, tokenizer)
@@ -84,9 +90,10 @@ def train(preset: str = "tiny", overrides: dict | None = None, *, steps: int | N
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="an RL loop on covrl.api")
-    parser.add_argument("--preset", default="tiny")
+    parser.add_argument("--config", "--preset", dest="config", default="tiny",
+                        help="a packaged preset (tiny, default = SmolLM2) or a YAML path")
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--loss", default=None, help="any name of covrl.api.API_LOSSES")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    train(args.preset, {"run.seed": args.seed}, steps=args.steps, loss=args.loss)
+    train(args.config, {"run.seed": args.seed}, steps=args.steps, loss=args.loss)

@@ -2,11 +2,13 @@
 optim_step) written against Tinker's SDK names, running locally on covrl through `covrl.api.tinker`.
 
 Swap the two imports for `import tinker` / `from tinker import types` (and drop ServiceClient's `config=`) and
-the loop body is a Tinker program; here it trains LoRA adapters on covrl's tiny preset (or SmolLM2 with
-`--base-model smollm2 --preset default`) on this CPU.
+the loop body is a Tinker program; here it trains LoRA adapters on this CPU. The sizes come from the covrl config
+(`loop.steps`, `loop.prompts_per_step` prompts x `loop.group_size` samples, `sampler.max_new_tokens`, the base
+model of `model.source`), and the learning rate is 10x the config's full fine-tune `optim.lr`: Tinker's guidance
+for LoRA ("LoRA Without Regret": the best LoRA lr is about 10x the full fine-tune's). Any of them can be given.
 
-    python examples/tinker_rl_loop.py                       # tiny preset, LoRA rank 32, 200 steps
-    python examples/tinker_rl_loop.py --preset default --base-model smollm2 --steps 30 --lr 1e-4
+    python examples/tinker_rl_loop.py                       # tiny preset, LoRA rank 32, 400 steps, lr 3e-3
+    python examples/tinker_rl_loop.py --config default      # SmolLM2-135M-Instruct, 30 steps of 4 x 4, lr 2e-4
 """
 
 from __future__ import annotations
@@ -28,9 +30,14 @@ def greedy_accuracy(sampling_client, task, tokenizer, max_tokens) -> float:
     return correct / len(task.eval)
 
 
-def main(preset="tiny", base_model="tiny", rank=32, steps=200, batch_size=16, group_size=8, lr=3e-3,
-         max_tokens=4, overrides=None, log=print) -> dict:
-    service_client = tinker.ServiceClient(config=preset, overrides=overrides)
+def main(config="tiny", base_model=None, rank=32, steps=None, batch_size=None, group_size=None, lr=None,
+         max_tokens=None, overrides=None, log=print) -> dict:
+    service_client = tinker.ServiceClient(config=config, overrides=overrides)
+    cfg = service_client.config            # covrl addition: the config behind the models, for the loop's sizes
+    base_model = base_model or cfg.model.source
+    steps, batch_size = steps or cfg.loop.steps, batch_size or cfg.loop.prompts_per_step
+    group_size, max_tokens = group_size or cfg.loop.group_size, max_tokens or cfg.sampler.max_new_tokens
+    lr = lr or 10 * cfg.optim.lr           # LoRA: ~10x the full fine-tune's learning rate
     training_client = service_client.create_lora_training_client(base_model=base_model, rank=rank)
     tokenizer = training_client.get_tokenizer()
     task, stream = training_client.api.task, training_client.api.stream    # covrl's task = the environment
@@ -84,11 +91,13 @@ def main(preset="tiny", base_model="tiny", rank=32, steps=200, batch_size=16, gr
 
 if __name__ == "__main__":
     parser = argparse.ArgumentParser(description="a tinker-cookbook-style RL loop on covrl")
-    parser.add_argument("--preset", default="tiny")
-    parser.add_argument("--base-model", default="tiny")
+    parser.add_argument("--config", "--preset", dest="config", default="tiny",
+                        help="a packaged preset (tiny, default = SmolLM2) or a YAML path")
+    parser.add_argument("--base-model", default=None, help="default: the config's model.source")
     parser.add_argument("--rank", type=int, default=32)
-    parser.add_argument("--steps", type=int, default=200)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--max-tokens", type=int, default=4)
+    parser.add_argument("--steps", type=int, default=None)
+    parser.add_argument("--lr", type=float, default=None, help="default: 10x the config's optim.lr")
+    parser.add_argument("--max-tokens", type=int, default=None)
+    parser.add_argument("--seed", type=int, default=0)
     a = parser.parse_args()
-    main(a.preset, a.base_model, a.rank, a.steps, lr=a.lr, max_tokens=a.max_tokens)
+    main(a.config, a.base_model, a.rank, a.steps, lr=a.lr, max_tokens=a.max_tokens, overrides={"run.seed": a.seed})

@@ -1,5 +1,6 @@
-"""examples/api_rl_loop.py (a loop on covrl.api) against `covrl train` (prepare_run + train_sync) on the tiny
-preset, same seed: the same sampled tokens, and every per-step metric both report is identical."""
+"""examples/api_rl_loop.py (a loop on covrl.api) and the reproductions' harness (covrl.repro.harness, a client of
+covrl.api) against `covrl train` (prepare_run + train_sync) on the tiny preset, same seed: the same sampled
+tokens, and every per-step metric both report is identical."""
 
 from __future__ import annotations
 
@@ -9,8 +10,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from covrl.api import resolve_config
+from covrl.repro.harness import Arm, ArmRunner
 from covrl.train.loop import train_sync
 from covrl.train.run import prepare_run
 from covrl.train.sinks import read_jsonl
@@ -32,11 +35,14 @@ def load_example(name: str):
     return module
 
 
+def library_config(tmp_path, overrides, name="library"):
+    return resolve_config("tiny", {**overrides, "run.output_dir": str(tmp_path), "run.name": name,
+                                   "logging.console": False, "logging.curves": False, "checkpoint.at_end": False,
+                                   "eval.sampled": False, "logging.diagnostics": False})
+
+
 def library_run(tmp_path, overrides):
-    cfg = resolve_config("tiny", {**overrides, "run.output_dir": str(tmp_path), "run.name": "library",
-                                  "logging.console": False, "logging.curves": False, "checkpoint.at_end": False,
-                                  "eval.sampled": False, "logging.diagnostics": False})
-    run = prepare_run(cfg, console=False)
+    run = prepare_run(library_config(tmp_path, overrides), console=False)
     batches, generate = [], run.sampler.generate
 
     def recording_generate(*args, **kwargs):
@@ -77,3 +83,21 @@ def test_api_loop_equals_covrl_train(tmp_path, extra):
     worst = max(float((lib_sd[k] - mine_sd[k]).abs().max()) for k in lib_sd)
     print(f"{len(compared)} metrics identical over {STEPS} steps; final weights max |diff| {worst}")
     assert worst == 0.0
+
+
+def test_repro_harness_equals_covrl_train(tmp_path):
+    """ArmRunner (SamplingClient.sample + score_rollouts + TrainingClient.train_step + weight push) takes the
+    steps `covrl train` takes: same tokens, every metric identical, same final weights."""
+    lib, batches, run = library_run(tmp_path, SHORT)
+    with ArmRunner(Arm(library_config(tmp_path, SHORT, "harness"), tmp_path / "harness")) as runner:
+        steps = []
+        runner.drive(STEPS, log=False, after_step=lambda step, rec: steps.append(step))
+        assert runner.client.version == STEPS
+        mine_sd = {k: v.clone() for k, v in runner.run.model.state_dict().items()}
+    assert len(steps) == len(lib) == STEPS
+    for step, lib_rec, batch in zip(steps, lib, batches):
+        assert step.batch.response_ids.equal(batch.response_ids), f"step {step.index}: sampled tokens differ"
+        for k, v in step.metrics.items():
+            if k in lib_rec and isinstance(v, (int, float)) and not k.startswith(TIMING) and not math.isnan(v):
+                assert v == lib_rec[k], f"step {step.index}: {k}: harness {v!r} vs covrl train {lib_rec[k]!r}"
+    assert all(torch.equal(v, mine_sd[k]) for k, v in run.model.state_dict().items())

@@ -72,6 +72,32 @@ def test_sampling_client_is_versioned(client):
     assert s1.sample(prompt, 1).version == 1
 
 
+def test_snapshot_client_samples_its_version_after_newer_weights(client):
+    prompts = [client.task.encode(client.tokenizer, ex) for ex in client.task.train[:3]]
+    params = SamplingParams(max_tokens=3, seed=11)
+    step(client)
+    client.save_weights_for_sampler("v1")
+    at_v1 = client.save_weights_and_get_sampling_client().sample(prompts, 4, params)
+    step(client)
+    step(client)
+    live = client.save_weights_and_get_sampling_client()
+    at_v3 = live.sample(prompts, 4, params)
+    weights_v3 = {k: v.clone() for k, v in client.model.state_dict().items()}
+    snap = client.create_sampling_client("v1")
+    again = snap.sample(prompts, 4, params)
+    assert again.version == 1 and snap.version == 1
+    assert again.batch.response_ids.equal(at_v1.batch.response_ids)
+    assert again.batch.sampler_logprobs.equal(at_v1.batch.sampler_logprobs)
+    assert not again.batch.sampler_logprobs.equal(at_v3.batch.sampler_logprobs)   # other weights did sample
+    # the current weights are back bit for bit, and the current version's client is still fresh and exact
+    for k, v in client.model.state_dict().items():
+        assert torch.equal(v, weights_v3[k]), k
+    assert live.sample(prompts, 4, params).batch.sampler_logprobs.equal(at_v3.batch.sampler_logprobs)
+    assert client.create_sampling_client(client.state_dir / "sampler" / "checkpoints" / "v1").version == 1
+    with pytest.raises(Exception, match="not a complete checkpoint"):
+        client.create_sampling_client("nope")
+
+
 # ------------------------------------------------------------------------------------------- bad inputs
 
 def test_bad_batches_name_the_field():

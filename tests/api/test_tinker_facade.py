@@ -59,6 +59,36 @@ def test_cookbook_loop_runs_two_steps(tmp_path):
     assert client.api.version == 2
 
 
+def test_sampling_an_old_lora_snapshot(tmp_path):
+    """save_weights_for_sampler -> two more steps -> create_sampling_client(path) samples the old adapters."""
+    service = facade.ServiceClient(config="tiny", overrides=SMALL, state_dir=str(tmp_path))
+    client, _ = rl_steps(service, facade.types, steps=1)
+    path = client.save_weights_for_sampler("after-1").result().path
+    assert path == "covrl://sampler/after-1@1"
+    prompt = facade.ModelInput.from_ints(client.api.task.encode(client.get_tokenizer(), client.api.task.train[0]))
+    params = facade.SamplingParams(max_tokens=4, temperature=1.0, seed=3)
+    then = client.save_weights_and_get_sampling_client().sample(prompt, 6, params).result().sequences
+    for _ in range(2):
+        client.forward_backward(rl_datums(client, prompt), "importance_sampling").result()
+        client.optim_step(facade.AdamParams(learning_rate=1e-2)).result()
+    now = client.save_weights_and_get_sampling_client().sample(prompt, 6, params).result().sequences
+    old = client.create_sampling_client(path).sample(prompt, 6, params).result().sequences
+    assert [s.tokens for s in old] == [s.tokens for s in then]
+    assert [s.logprobs for s in old] == [s.logprobs for s in then]
+    assert [s.logprobs for s in now] != [s.logprobs for s in then]
+    with pytest.raises(ValueError, match="no snapshot 'missing'"):
+        client.create_sampling_client("covrl://sampler/missing@0")
+
+
+def rl_datums(client, prompt):
+    res = client.save_weights_and_get_sampling_client().sample(
+        prompt, 4, facade.SamplingParams(max_tokens=4, temperature=1.0)).result()
+    tokens, ob = prompt.to_ints(), prompt.length - 1
+    return [facade.Datum(model_input=facade.ModelInput.from_ints((tokens + s.tokens)[:-1]), loss_fn_inputs={
+        "target_tokens": (tokens + s.tokens)[1:], "logprobs": [0.0] * ob + list(s.logprobs),
+        "advantages": [0.0] * ob + [float(i % 2) - 0.5] * len(s.tokens)}) for i, s in enumerate(res.sequences)]
+
+
 @pytest.mark.skipif(SDK is None, reason="the tinker SDK is not importable (set COVRL_TINKER_SITE)")
 def test_cookbook_loop_with_the_sdks_own_types(tmp_path):
     from tinker import types as sdk_types

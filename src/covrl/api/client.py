@@ -15,8 +15,9 @@ changes memory, not the gradient (up to float rounding).
 
 from __future__ import annotations
 
+import contextlib
 import math
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -40,15 +41,18 @@ from covrl.math import CorrectionConfig, aggregate, rollout_correction
 from covrl.models import forward_response, load_model
 from covrl.models.loading import apply_lora  # the adapters load_model adds
 from covrl.rollout.sampler import SamplerConfig, build_sampler
+from covrl.rollout.types import ScoredBatch
 from covrl.tasks import build_task
 from covrl.train import checkpoint as ckpt
 from covrl.train.config import TrainConfig
 from covrl.train.data import DataStream
-from covrl.train.run import resolve_device, seed_everything
+from covrl.train.results import StepResult
+from covrl.train.run import Run, resolve_device, seed_everything
 from covrl.train.sft import sft_warmup
-from covrl.train.trainer import fold_micro_metrics
+from covrl.train.trainer import Trainer, fold_micro_metrics
 
 STATE_KEY = "api"
+SNAPSHOT_DIR = "sampler"   # <state_dir>/sampler/checkpoints/<name>/: weights saved for sampling later
 
 
 def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
@@ -116,6 +120,7 @@ class TrainingClient:
         self.task = None
         self.stream: DataStream | None = None
         self.sft_metrics: dict[str, float] = {}
+        self.trainer: Trainer | None = None   # from_run: the run's Trainer, which train_step drives
 
     @classmethod
     def from_config(cls, config: TrainConfig | str | Path = "tiny", overrides=None, *, warmup: bool = True,
@@ -158,6 +163,38 @@ class TrainingClient:
         client.config, client.task, client.stream = cfg, task, stream
         return client
 
+    @classmethod
+    def from_run(cls, run: Run) -> TrainingClient:
+        """A client over a prepared covrl run (covrl.train.run.prepare_run): the run's model, sampler (whatever
+        `build_sampler_fn` made), sampling generator, task, stream and config, and its Trainer, which
+        `train_step` drives. Such a client trains through `train_step` only (the Trainer owns the optimizer);
+        sampling, `forward` and snapshots work as on any client. covrl.repro.harness drives its arms so."""
+        cfg = run.cfg
+        client = cls(run.model, run.tokenizer, temperature=cfg.sampler.temperature, correction=cfg.correction,
+                     micro_batch_size=cfg.optim.micro_batch_size, share_prompts=cfg.optim.share_prompts,
+                     sampler_config=cfg.sampler, seed=cfg.run.seed, state_dir=Path(run.run_dir) / "api")
+        client._sampler, client.generator = run.sampler, run.generator   # the run's, so its draws are the run's
+        client.config, client.task, client.stream = cfg, run.task, run.stream
+        client.sft_metrics, client.trainer, client.version = run.sft_metrics, run.trainer, run.trainer.version
+        return client
+
+    def train_step(self, batch: ScoredBatch) -> StepResult:
+        """One step of the config's whole algorithm on a scored batch: covrl.train.trainer.Trainer.step (the
+        config's advantages, correction, loss, KL, diagnostics, clipping, lr schedule, AdamW), as `covrl train`
+        takes it; `version` follows the Trainer. Clients from `from_run` only. The batch's tensors must be
+        normal tensors (a sampler's inference-mode tensors: clone them) for the Trainer's autograd."""
+        if self.trainer is None:
+            raise RuntimeError("train_step: this client has no Trainer (TrainingClient.from_run gives one); use "
+                               "forward_backward + optim_step")
+        result = self.trainer.step(batch)
+        self.version = self.trainer.version
+        return result
+
+    def _no_trainer(self, call: str) -> None:
+        if self.trainer is not None:   # its optimizer would not see these gradients; the Trainer's own would
+            raise RuntimeError(f"{call}: this client trains through train_step (its run's Trainer owns the "
+                               f"optimizer and the gradients)")
+
     # ---------------------------------------------------------------------------------------- forward
     @property
     def device(self) -> torch.device:
@@ -194,6 +231,7 @@ class TrainingClient:
         clip_low_threshold / clip_high_threshold / beta). `agg_mode` (covrl.math losses only, see
         covrl.math.aggregate). `correction` overrides the client's default for this call.
         """
+        self._no_trainer("forward_backward")
         spec = get_loss(loss_fn)
         options = spec.check_options(dict(loss_options or {}))
         batch = _check_batch(batch, self.device)
@@ -267,6 +305,7 @@ class TrainingClient:
                                 ) -> ForwardBackwardResult:
         """`fn(batch, logprobs [B, T] with gradient) -> (scalar loss, metrics)` on the whole batch at once (a
         custom loss may couple rows); its gradient is added to .grad."""
+        self._no_trainer("forward_backward_custom")
         batch = _check_batch(batch, self.device)
         self.model.train()
         fwd = self._forward(batch)
@@ -295,6 +334,7 @@ class TrainingClient:
         """One AdamW step on the accumulated gradients with this call's hyper-parameters, then zero them.
         Global-norm clipping at adam_params.grad_clip_norm (0: none; the norm is reported either way). A
         non-finite gradient norm skips the update (metrics: skipped=1) and drops the gradients."""
+        self._no_trainer("optim_step")
         p = adam_params or AdamParams()
         if not isinstance(p, AdamParams):
             raise TypeError(f"adam_params: expected covrl.api.AdamParams, got {type(p).__name__}")
@@ -324,8 +364,7 @@ class TrainingClient:
     def save_state(self, name: str) -> Path:
         """Weights, optimizer state, version and the sampling generator as an atomic covrl checkpoint
         (covrl.train.checkpoint: COMPLETE marker last) at `<state_dir>/checkpoints/<name>/`; returns its path."""
-        if not name or "/" in name or name.startswith("."):
-            raise ValueError(f"name: a plain folder name is needed, got {name!r}")
+        _check_name(name)
         return ckpt.save_checkpoint(self.state_dir, name, model=self.model, tokenizer=self.tokenizer,
                                     state={"format": 1, STATE_KEY: self.state_dict()},
                                     info={"policy_version": self.version})
@@ -364,25 +403,71 @@ class TrainingClient:
 
     def save_weights_and_get_sampling_client(self, name: str | None = None) -> SamplingClient:
         """Push the current weights into the sampler (version = optimizer steps so far) and return a client
-        bound to that version. `name` labels it (nothing is written: save_state writes checkpoints)."""
+        bound to that version. `name` labels it (nothing is written: `save_weights_for_sampler` keeps a version
+        to sample later, save_state writes checkpoints)."""
         self.sampler.load_weights(self.model, self.version)
         return SamplingClient(self, self.version, name)
+
+    def save_weights_for_sampler(self, name: str) -> Path:
+        """Keep the current weights (adapters for LoRA) as an atomic snapshot at
+        `<state_dir>/sampler/checkpoints/<name>/` and push them into the sampler; returns its path.
+        `create_sampling_client(name)` samples from it later, whatever version is current then."""
+        _check_name(name)
+        self.sampler.load_weights(self.model, self.version)
+        return ckpt.save_checkpoint(self.state_dir / SNAPSHOT_DIR, name, model=self.model,
+                                    state={"format": 1, "version": self.version},
+                                    info={"policy_version": self.version})
+
+    def create_sampling_client(self, snapshot: str | Path) -> SamplingClient:
+        """A client bound to a `save_weights_for_sampler` snapshot (its path, or its name): its samples come
+        from that version's weights even after newer ones were pushed (see SamplingClient)."""
+        path = Path(snapshot)
+        if not path.is_dir() and (self.state_dir / SNAPSHOT_DIR / "checkpoints" / path).is_dir():
+            path = self.state_dir / SNAPSHOT_DIR / "checkpoints" / path
+        state = ckpt.load_state(path)   # refuses an incomplete folder
+        if "version" not in state:
+            raise ckpt.CheckpointError(f"{path}: not a save_weights_for_sampler snapshot (no version)")
+        return SamplingClient(self, int(state["version"]), path.name, snapshot=path)
+
+    @contextlib.contextmanager
+    def holding(self, weights: dict[str, torch.Tensor], version: int) -> Iterator[None]:
+        """The model and the sampler hold `weights` (as read by covrl.train.checkpoint.read_model_weights) for
+        the duration; then the trainable parameters (all that an optimizer step changes) are restored bit for
+        bit and the sampler gets the current weights again (it holds version `self.version` after)."""
+        current = [p.detach().clone() for p in self.params]
+        try:
+            ckpt.apply_model_weights(self.model, weights)
+            self.sampler.load_weights(self.model, version)
+            yield
+        finally:
+            with torch.no_grad():
+                for p, saved in zip(self.params, current):
+                    p.copy_(saved)
+            self.sampler.load_weights(self.model, self.version)
 
     def get_tokenizer(self):
         return self.tokenizer
 
 
 class SamplingClient:
-    """Samples from the weights of one version. Using it after newer weights were pushed (another
-    save_weights_and_get_sampling_client, or an optim_step while the sampler shares the trainer's module)
-    raises StaleSamplingClientError rather than silently sampling from other weights."""
+    """Samples from the weights of one version. A client of the pushed weights
+    (`save_weights_and_get_sampling_client`) used after newer weights were pushed (another push, or an
+    optim_step while the sampler shares the trainer's module) raises StaleSamplingClientError rather than
+    silently sampling from other weights. A client of a snapshot (`create_sampling_client`, `snapshot` set)
+    never goes stale: each `sample` call swaps the snapshot's weights in (`TrainingClient.holding`), samples,
+    and restores the current ones; the snapshot is read from disk once, on first use."""
 
-    def __init__(self, owner: TrainingClient, version: int, name: str | None = None):
+    def __init__(self, owner: TrainingClient, version: int, name: str | None = None, *,
+                 snapshot: Path | None = None):
         self.owner = owner
         self.version = int(version)
         self.name = name
+        self.snapshot = snapshot
+        self._weights: dict[str, torch.Tensor] | None = None
 
     def _check_fresh(self) -> None:
+        if self.snapshot is not None:
+            return
         sampler = self.owner.sampler
         live = sampler.version if not getattr(sampler, "shares_weights", False) else self.owner.version
         if sampler.version != self.version or live != self.version:
@@ -409,8 +494,9 @@ class SamplingClient:
         old = sampler.cfg
         sampler.cfg = old.model_copy(update=update) if update else old
         try:
-            batch = sampler.generate(rows, num_samples, generator=generator, policy_version=self.version,
-                                     greedy=greedy)
+            with self._weights_held():
+                batch = sampler.generate(rows, num_samples, generator=generator, policy_version=self.version,
+                                         greedy=greedy)
         finally:
             sampler.cfg = old
         eos = set(getattr(sampler, "eos_ids", []))
@@ -423,8 +509,20 @@ class SamplingClient:
                                              prompt_index=i // num_samples))
         return SampleResult(sequences=sequences, batch=batch, version=self.version)
 
+    def _weights_held(self) -> contextlib.AbstractContextManager:
+        if self.snapshot is None:
+            return contextlib.nullcontext()
+        if self._weights is None:
+            self._weights = ckpt.read_model_weights(self.owner.model, self.snapshot / ckpt.MODEL_DIR)
+        return self.owner.holding(self._weights, self.version)
+
     def get_tokenizer(self):
         return self.owner.tokenizer
+
+
+def _check_name(name: str) -> None:
+    if not isinstance(name, str) or not name or "/" in name or name.startswith("."):
+        raise ValueError(f"name: a plain folder name is needed, got {name!r}")
 
 
 def _sampler_update(params: SamplingParams, sampler) -> dict[str, Any]:

@@ -40,6 +40,7 @@ from covrl.api.client import resolve_config
 from covrl.api.losses import API_LOSSES
 from covrl.api.types import StaleSamplingClientError, TrainBatch
 from covrl.models import LoraConfig
+from covrl.train.checkpoint import CheckpointError
 
 # Tinker's loss names whose meaning differs from covrl.math's entry of the same name
 _TINKER_NAMES = {"cispo": "tinker_cispo", "gspo": "tinker_gspo"}
@@ -407,16 +408,25 @@ class TrainingClient:
         return SamplingClient(self.api.save_weights_and_get_sampling_client(name))
 
     def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None, **_: Any) -> APIFuture:
-        """The weights go to the sampler; the path names that version (`covrl://sampler/<name>@<version>`)."""
-        client = self.api.save_weights_and_get_sampling_client(name)
-        return APIFuture(SaveWeightsForSamplerResponse(path=f"covrl://sampler/{name}@{client.version}"))
+        """A snapshot of the current weights (covrl.api's save_weights_for_sampler: adapters for LoRA, under
+        the state folder), also pushed into the sampler; the path names it and its version
+        (`covrl://sampler/<name>@<version>`) for create_sampling_client."""
+        self.api.save_weights_for_sampler(name)
+        return APIFuture(SaveWeightsForSamplerResponse(path=f"covrl://sampler/{name}@{self.api.version}"))
 
     def create_sampling_client(self, model_path: str, **_: Any) -> SamplingClient:
+        """A client of the snapshot `model_path` names: it samples that version's weights, also after newer
+        ones were pushed."""
         if not isinstance(model_path, str) or not model_path.startswith("covrl://sampler/") or "@" not in model_path:
             raise ValueError(f"model_path: expected a path from save_weights_for_sampler, got {model_path!r}")
-        version = int(model_path.rsplit("@", 1)[1])
-        client = _ApiSamplingClient(self.api, version, model_path)
-        client._check_fresh()
+        name, version = model_path[len("covrl://sampler/"):].rsplit("@", 1)
+        try:
+            client = self.api.create_sampling_client(name)
+        except CheckpointError as err:
+            raise ValueError(f"model_path {model_path!r}: no snapshot {name!r} ({err})") from None
+        if str(client.version) != version:
+            raise ValueError(f"model_path {model_path!r}: the snapshot {name!r} now holds version "
+                             f"{client.version} (saved again under the same name)")
         return SamplingClient(client)
 
     forward_async = _async("forward")

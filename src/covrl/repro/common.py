@@ -1,6 +1,6 @@
 """What every reproduction writes: `result.json` (claim, measured numbers, pass/fail per criterion),
-PNG figures (`pyplot`, `save_figure`), and a short `report.md`; and the scored batch that reproductions driving a
-run step by step generate each step (`next_scored_batch`, used through `covrl.repro.harness`)."""
+PNG figures (`pyplot`, `save_figure`), and a short `report.md`. (Arms are driven step by step by
+`covrl.repro.harness`, a client of covrl.api.)"""
 
 from __future__ import annotations
 
@@ -11,8 +11,6 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
-
-from covrl.train.sources import SyncSource
 
 
 @dataclass
@@ -106,14 +104,3 @@ def save_figure(fig, path: Path, *, dpi: int) -> str:
     plt.close(fig)
     return path.name
 
-
-def next_scored_batch(run):
-    """The next step's batch of a prepared run (covrl.train.run.prepare_run), as the sync loop makes it
-    (`covrl.train.sources.SyncSource`): the next prompts of the stream, `loop.group_size` completions each from
-    the run's sampler and generator, scored. Returns (batch, examples). The sampler's tensors are made under
-    inference mode; they are cloned into normal tensors so that the trainer's autograd can use them."""
-    from dataclasses import replace
-
-
-    sb = SyncSource(run).next_batch(run.trainer.version)
-    return replace(sb.batch, **{k: v.clone() for k, v in sb.batch.tensor_fields().items()}), list(sb.examples)

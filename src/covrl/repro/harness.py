@@ -1,9 +1,10 @@
-"""Drive one arm of an experiment step by step, as the sync loop does: the next scored batch
-(`covrl.repro.common.next_scored_batch`), `Trainer.step`, weight sync into the sampler, a record per step.
+"""Drive one arm of an experiment step by step as a client of covrl.api, as the sync loop does: sample the
+next prompts' groups through a `SamplingClient`, score them, `TrainingClient.train_step` (the run's Trainer), push
+the new weights (`save_weights_and_get_sampling_client`), a record per step.
 
 An experiment states its arm (`Arm`: config, run folder, optional sampler builder and starting weights), opens
-an `ArmRunner` on it (a prepared run, `covrl.train.run.prepare_run`), evaluates what it needs through
-`runner.run`, and calls `runner.drive(...)` with hooks:
+an `ArmRunner` on it (a prepared run, `covrl.train.run.prepare_run`, and `TrainingClient.from_run` over it),
+evaluates what it needs through `runner.run`, and calls `runner.drive(...)` with hooks:
 
     before_step(step)          before the step's batch is generated (e.g. switch a sampler hook on)
     on_batch(step, batch)      after generation, before the update, same weights as the sampler; a returned
@@ -11,19 +12,20 @@ an `ArmRunner` on it (a prepared run, `covrl.train.run.prepare_run`), evaluates 
     record(step: Step) -> dict the step's record (default: step number + the trainer's numeric metrics)
     after_step(step, record)   after the sync; returning True ends the drive (e.g. a token budget is spent)
 
-Every batch comes from `next_scored_batch` and every weight sync goes through `ArmRunner.sync_weights`."""
+Every batch comes from `ArmRunner.next_batch` and every weight sync goes through `ArmRunner.sync_weights`."""
 
 from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
-from covrl.repro.common import next_scored_batch
+from covrl.api import SamplingClient, TrainingClient
 from covrl.train.config import TrainConfig
 from covrl.train.run import Run, prepare_run
+from covrl.train.sources import score_rollouts
 
 
 @dataclass
@@ -78,12 +80,15 @@ def default_record(step: Step) -> dict:
 
 
 class ArmRunner:
-    """A prepared run of one arm, stepped by `step` / `drive`; a context manager that closes the run."""
+    """A prepared run of one arm, stepped by `step` / `drive` through `client` (covrl.api); a context manager
+    that closes the run."""
 
     def __init__(self, arm: Arm):
         self.arm = arm
         self.run: Run = prepare_run(arm.cfg, run_dir=arm.run_dir, console=False,
                                     build_sampler_fn=arm.build_sampler_fn)
+        self.client = TrainingClient.from_run(self.run)
+        self.sampling: SamplingClient = SamplingClient(self.client, self.client.version)  # prepare_run synced
         self.steps_done = 0
         if arm.init_state is not None:
             try:
@@ -104,15 +109,22 @@ class ArmRunner:
 
     def sync_weights(self) -> None:
         """The trainer's current weights into the sampler (the one place an arm syncs)."""
-        self.run.sampler.load_weights(self.run.model, self.run.trainer.version)
+        self.sampling = self.client.save_weights_and_get_sampling_client()
 
     def weights(self) -> dict:
         """A detached copy of the model's current weights."""
         return {k: v.detach().clone() for k, v in self.run.model.state_dict().items()}
 
     def next_batch(self):
-        """(batch, examples): the next scored batch of the run, as the sync loop makes it."""
-        return next_scored_batch(self.run)
+        """(batch, examples): the next scored batch of the run, as the sync loop makes it
+        (`covrl.train.sources.SyncSource`): the stream's next prompts, `loop.group_size` samples each from the
+        sampling client (the run's sampler and generator), scored. The sampler's tensors are made under
+        inference mode; they are cloned into normal tensors so that the trainer's autograd can use them."""
+        run, loop = self.run, self.run.cfg.loop
+        examples, positions = run.stream.take(loop.prompts_per_step)
+        out = self.sampling.sample([run.task.encode(run.tokenizer, ex) for ex in examples], loop.group_size)
+        batch = score_rollouts(run.task, run.tokenizer, out.batch, examples, loop.group_size, positions)
+        return replace(batch, **{k: v.clone() for k, v in batch.tensor_fields().items()}), list(examples)
 
     def step(self, on_batch: Callable[[int, Any], dict | None] | None = None) -> Step:
         """One step: generate + score, `on_batch`, `Trainer.step`, sync."""
@@ -122,7 +134,7 @@ class ArmRunner:
         wall_generate, c1 = time.perf_counter() - w0, time.process_time()
         extra = (on_batch(index, batch) or {}) if on_batch is not None else {}
         c2 = time.process_time()
-        metrics = self.run.trainer.step(batch)
+        metrics = self.client.train_step(batch)
         c3 = time.process_time()
         self.sync_weights()
         c4 = time.process_time()
