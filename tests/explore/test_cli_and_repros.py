@@ -71,3 +71,45 @@ def test_fast_repro_passes_its_criteria(name, tmp_path):
     failed = [(c.name, c.measured, c.target) for c in result.criteria if not c.passed]
     assert result.criteria and not failed, failed
     assert all((tmp_path / f).exists() for f in result.figures)
+
+
+def test_ensemble_neural_paper_fast_runs_resumes_and_reports(tmp_path):
+    import json
+
+    from covrl.repro import REPROS
+    from covrl.repro import ensemble_neural_paper as paper
+
+    assert REPROS["ensemble-neural-paper"] == "covrl.repro.ensemble_neural_paper"
+    result = paper.run(tmp_path, fast=True, seed=0, log=lambda _: None)
+    cfg = paper.FAST
+    lines = (tmp_path / "jobs.jsonl").read_text().splitlines()
+    n_tune = 3 * len(cfg.prior_grid) * len(cfg.tune_seeds)
+    assert len(lines) == n_tune + len(paper.AGENTS) * len(cfg.eval_seeds)
+    table = result.numbers["table"]
+    assert set(table) == {"Ensemble++ M=8", "Ensemble+ M=8", "EpiNet M=8", "Greedy"}
+    assert result.numbers["complete"]
+    for name, row in table.items():
+        assert row["seeds"] == len(cfg.eval_seeds)
+        assert row["prior_scale"] in ((0.0,) if name == "Greedy" else cfg.prior_grid)
+    assert table["Ensemble+ M=8"]["parameters"] > table["Ensemble++ M=8"]["parameters"]
+    assert [c.name[:2] for c in result.criteria] == ["R1", "R2", "R3"]
+    assert set(result.numbers["paired_ensemblepp_minus_other"]) == {"Ensemble+ M=8", "EpiNet M=8", "Greedy"}
+    assert all((tmp_path / f).exists() for f in result.figures)
+    # a second run finds every job in jobs.jsonl and plays nothing
+    again = paper.run(tmp_path, fast=True, seed=0, log=lambda _: None)
+    assert len((tmp_path / "jobs.jsonl").read_text().splitlines()) == len(lines)
+    assert again.numbers["table"] == json.loads(json.dumps(table))
+
+
+def test_neural_agent_update_start_delays_training():
+    import torch
+
+    from covrl.explore.neural import NeuralEnsemblePP
+
+    agent = NeuralEnsemblePP(3, seed=0, update_start=4, sgd_steps=1, batch_size=2)
+    before = [p.clone() for p in agent.trainable_parameters()]
+    for _ in range(3):
+        agent.update(torch.ones(3), torch.tensor(1.0))
+    assert all(torch.equal(a, b) for a, b in zip(before, agent.trainable_parameters()))
+    agent.update(torch.ones(3), torch.tensor(1.0))
+    assert any(not torch.equal(a, b) for a, b in zip(before, agent.trainable_parameters()))

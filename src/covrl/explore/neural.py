@@ -14,7 +14,8 @@ its own perturbed targets; act with one chosen uniformly), `EpiNet` (base MLP + 
 [sg φ(x), x, z] with a fixed prior epinet), `Greedy` (one network, no exploration).
 
 Each round: `act(arms)` draws an index and returns argmax_k f(arm_k, index); `update(x, y)` stores (x, y, z) in a
-FIFO buffer (capacity C) and takes G Adam steps on minibatches drawn uniformly from it.
+FIFO buffer (capacity C) and takes G Adam steps on minibatches drawn uniformly from it (none until the buffer
+holds `update_start` data).
 Shapes: `batch=None` -> act(arms[K, *in]) returns a scalar tensor, update(x[*in], y[]);
 `batch=1` -> act(arms[1, K, *in]) returns long[1], update(x[1, *in], y[1]) (the runner's convention).
 """
@@ -47,6 +48,7 @@ class NeuralConfig(BaseModel):
     buffer_size: int = Field(10_000, ge=1, description="C: FIFO buffer capacity")
     batch_size: int = Field(128, ge=1, description="minibatch size of each SGD step")
     sgd_steps: int = Field(1, ge=0, description="G: Adam steps per round")
+    update_start: int = Field(0, ge=0, description="no Adam steps until the buffer holds this many data")
     lr: float = Field(1e-4, gt=0.0, description="Adam learning rate")
     epi_hidden_sizes: tuple[int, ...] = Field((15, 15), description="EpiNet: widths of the epinet MLPs")
     n_index_samples: int = Field(8, ge=1, description="EpiNet: index samples per datum in the loss")
@@ -177,7 +179,8 @@ class _NeuralAgent(BanditAgent):
         return best.reshape(1) if self.batch == 1 else best
 
     def update(self, x: torch.Tensor, y: torch.Tensor) -> None:
-        """Store (x, y, z ~ P_z) in the FIFO buffer, then take G Adam steps on minibatches from it."""
+        """Store (x, y, z ~ P_z) in the FIFO buffer, then take G Adam steps on minibatches from it (once it
+        holds `update_start` data)."""
         x = self._strip_batch(self._as_input(x), "x")
         y = self._strip_batch(torch.as_tensor(y, dtype=torch.float32).reshape(-1 if self.batch else ()), "y")
         z = self._perturbation((), self.M, self.gen, torch.float32)
@@ -189,6 +192,8 @@ class _NeuralAgent(BanditAgent):
         self._next = (self._next + 1) % self.cfg.buffer_size
         self._size = min(self._size + 1, self.cfg.buffer_size)
         self.t += 1
+        if self._size < self.cfg.update_start:
+            return
         for _ in range(self.cfg.sgd_steps):
             self.train_step()
 

@@ -17,4 +17,5 @@ REPROS: dict[str, str] = {
     "ensemble-linear": "covrl.repro.ensemble_linear",
     "seq-jl": "covrl.repro.seq_jl",
     "ensemble-neural": "covrl.repro.ensemble_neural",
+    "ensemble-neural-paper": "covrl.repro.ensemble_neural_paper",
 }
