@@ -81,6 +81,24 @@ def test_tool_environment_episode_logic():
     assert env.metrics()["tool_calls"] == 1.0
 
 
+def test_demonstration_turns_come_before_the_problem():
+    demo = [{"role": "user", "content": "2*3="},
+            {"role": "assistant", "content": '<tool_call>{"name": "calculator", "arguments": {"expression": "2*3"}}'
+                                             "</tool_call>"},
+            {"role": "tool", "content": "6"}, {"role": "assistant", "content": "6"}]
+    task = _task(env={"name": "calculator", "demonstration": demo}, chat_template=True, system_prompt="S")
+    ex = task.train[0]
+    assert task.environment().reset(ex) == [{"role": "system", "content": "S"}, *demo,
+                                            {"role": "user", "content": ex.prompt}]
+    # the demonstration is part of the opening prompt, rendered by the chat template like any earlier turns
+    tok = char_tokenizer()
+    tok.chat_template = CHATML
+    env = task.environment()
+    text = tok.decode(prompt_ids(tok, env.reset(ex), env.tools, chat_template=True))
+    assert text.index("<|im_start|>tool\n6<|im_end|>") < text.index(ex.prompt)
+    assert "You can call these tools" in text.split("<|im_end|>")[0]   # appended to the system prompt
+
+
 def test_single_turn_environment_is_the_task():
     task = _task(env={"name": "single_turn"})
     env = task.environment()

@@ -59,6 +59,13 @@ class OverlongRewardConfig(Section):
 Signature = Literal["auto", "covrl", "trl"]
 
 
+class MessageConfig(Section):
+    """One chat message of a demonstration (`task.env.demonstration`)."""
+
+    role: Literal["user", "assistant", "tool"] = Field(..., description="who speaks: user, assistant or tool")
+    content: str = Field(..., description="the message text (an assistant message may hold <tool_call> blocks)")
+
+
 class EnvironmentConfig(Section):
     """Multi-turn episodes (covrl.tasks.environments; docs/environments.md). No name = single-turn rollouts."""
 
@@ -70,6 +77,11 @@ class EnvironmentConfig(Section):
                                 "the limit is the final answer)")
     tool_timeout_s: float | None = Field(5.0, gt=0, le=86400.0, description="per-call timeout of a tool "
                                          "(thread-isolated like user rewards; None = no timeout)")
+    demonstration: list[MessageConfig] = Field(default_factory=list, description="a worked episode shown "
+                                               "before the problem, as earlier turns of the conversation (user, "
+                                               "assistant with a <tool_call>, tool result, final answer): a small "
+                                               "model that never writes the call format unprompted copies it, "
+                                               "so RL has calls to reinforce (empty = none)")
 
 
 class RewardTermConfig(Section):

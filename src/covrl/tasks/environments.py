@@ -55,10 +55,12 @@ class Environment(Protocol):
 
 
 def _user_messages(task: Task, example: Example) -> list[dict]:
+    """[system prompt], the demonstration's turns (task.env.demonstration), then the problem."""
     text = example.prompt if task.cfg.chat_template else example.plain_prompt
     system = task.cfg.system_prompt
-    return ([{"role": "system", "content": system}] if system is not None and task.cfg.chat_template else []) + [
-        {"role": "user", "content": text}]
+    demo = [m.model_dump() for m in task.cfg.env.demonstration]
+    return ([{"role": "system", "content": system}] if system is not None and task.cfg.chat_template else []) + \
+        demo + [{"role": "user", "content": text}]
 
 
 class SingleTurnEnvironment:

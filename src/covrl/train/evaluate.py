@@ -44,7 +44,7 @@ def _score(task, tokenizer, batch: RolloutBatch, examples: list) -> dict[str, An
 
 
 def _score_episodes(sampler, task, tokenizer, examples: list, gen: torch.Generator, greedy: bool) -> dict[str, Any]:
-    """Held-out episodes (one per prompt): accuracy plus the tool-call rate and turns."""
+    """Held-out episodes (one per prompt): accuracy plus the tool-call rate, tool errors per episode and turns."""
     episodes = generate_episodes(sampler, tokenizer, task.environment, examples, 1, generator=gen, greedy=greedy,
                                  chat_template=task.cfg.chat_template, max_turns=task.cfg.env.max_turns)
     scored = score_episodes(task, tokenizer, episodes, examples, 1)
@@ -54,7 +54,8 @@ def _score_episodes(sampler, task, tokenizer, examples: list, gen: torch.Generat
         "accuracy": sum(bool(c) for c in scored.correct) / n,
         "reward_mean": float(scored.rewards.mean()),
         "length_mean": float(scored.train_mask.sum(1).float().mean()),
-        "tool_call_rate": m["task/tool_call_rate"], "tool_calls": m["task/tool_calls"], "turns": m["task/turns"],
+        "tool_call_rate": m["task/tool_call_rate"], "tool_calls": m["task/tool_calls"],
+        "tool_errors": m["task/tool_errors"], "turns": m["task/turns"],
         "n": len(examples),
         "examples": [{"prompt": ex.prompt, "answer": ex.answer, "episode": t, "correct": bool(c)}
                      for ex, t, c in list(zip(examples, scored.texts, scored.correct))[:5]],
