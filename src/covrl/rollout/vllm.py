@@ -105,7 +105,7 @@ class VLLMEngineConfig(Section):
                              "safetensors file of each weight sync; the system temp folder if it is missing")
     omp_threads_bind: str | None = Field(None, description="engine_process on a CPU only: "
                                          "VLLM_CPU_OMP_THREADS_BIND for the engine process; None = every core "
-                                         "this process may use ('0-N'; vLLM's 'auto' keeps one core idle for "
+                                         "this process may use ('0,1,...'; vLLM's 'auto' keeps one core idle for "
                                          "its scheduler)")
 
 
