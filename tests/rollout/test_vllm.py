@@ -47,7 +47,8 @@ def tiny():
 
 
 def vllm_sampler(model, tok, cache, **over):
-    cfg = SamplerConfig(backend="vllm", max_new_tokens=12, vllm={"model_cache": cache}, **over)
+    vllm = {"model_cache": cache, **over.pop("vllm", {})}
+    cfg = SamplerConfig(backend="vllm", max_new_tokens=12, vllm=vllm, **over)
     return build_sampler(cfg, model, tok), cfg
 
 
@@ -61,6 +62,57 @@ def recompute(model, batch, cfg: SamplerConfig):
     logits = logits[:, batch.prompt_ids.shape[1] - 1: -1]
     logq = filtered_logprobs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
     return logq.gather(-1, batch.response_ids[..., None]).squeeze(-1) * batch.response_mask
+
+
+def perturbed_copy(model):
+    perturbed = copy.deepcopy(model)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(9)
+        for p in perturbed.parameters():
+            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=g))
+    return perturbed
+
+
+LONG_PROMPT = [(7 * i) % 90 + 4 for i in range(200)]
+
+
+def test_engine_in_its_own_process(tiny, cache):
+    """`sampler.vllm.engine_process`: the engine runs in vLLM's engine process, weights travel as a safetensors
+    file in /dev/shm. At equal fp32 weights the log-probs are the trainer's; a sync takes effect (also on a
+    prefix-cached prompt) and a restore repeats the first batch exactly; torch.set_num_threads still works in
+    this process. First in the module: an in-process CPU engine makes torch.set_num_threads a no-op for the
+    whole process, so the thread check only means something before one has started."""
+    from covrl.rollout.vllm import _ENGINES, shutdown_engines
+    psutil = pytest.importorskip("psutil")
+    model, tok = tiny
+    in_process_before = any(not e["process"] for e in _ENGINES.values())
+    children = {p.pid for p in psutil.Process().children(recursive=True)}
+    sampler, cfg = vllm_sampler(model, tok, cache, temperature=0.8, top_p=0.9, vllm={"engine_process": True})
+    try:
+        assert {p.pid for p in psutil.Process().children(recursive=True)} - children, "no engine process"
+        assert sampler._entry["weights_dir"] is not None and sampler.last_sync_s > 0
+        prompts = [PROMPTS[0], PROMPTS[2], LONG_PROMPT]
+        first = sampler.generate(prompts, 3, generator=torch.Generator().manual_seed(5), policy_version=0)
+        m = first.response_mask.bool()
+        assert (first.sampler_logprobs - recompute(model, first, cfg))[m].abs().max() < LOGPROB_TOL
+        perturbed = perturbed_copy(model)
+        sampler.load_weights(perturbed, 1)
+        moved = sampler.generate(prompts, 3, generator=torch.Generator().manual_seed(5))
+        m = moved.response_mask.bool()
+        assert (moved.sampler_logprobs - recompute(perturbed, moved, cfg))[m].abs().max() < LOGPROB_TOL
+        assert (moved.sampler_logprobs - recompute(model, moved, cfg))[m].abs().max() > 1e-2
+        sampler.load_weights(model.state_dict(), 2)
+        restored = sampler.generate(prompts, 3, generator=torch.Generator().manual_seed(5))
+        assert torch.equal(restored.response_ids, first.response_ids)
+        assert torch.equal(restored.sampler_logprobs, first.sampler_logprobs)
+        if not in_process_before:
+            before = torch.get_num_threads()
+            for n in (1, 2):
+                torch.set_num_threads(n)
+                assert torch.get_num_threads() == n
+            torch.set_num_threads(before)
+    finally:
+        assert shutdown_engines(process_only=True) == 1
 
 
 def test_rows_groups_padding_and_eos_like_hf(tiny, cache):
@@ -138,14 +190,9 @@ def test_weight_sync_takes_effect_and_restores_exactly(tiny, cache):
     which only `reset_prefix_cache` keeps right); restore, the batch is bit-identical to the first."""
     model, tok = tiny
     sampler, cfg = vllm_sampler(model, tok, cache, temperature=1.0)
-    long_prompt = [(7 * i) % 90 + 4 for i in range(200)]
-    prompts = [PROMPTS[0], long_prompt]
+    prompts = [PROMPTS[0], LONG_PROMPT]
     first = sampler.generate(prompts, 2, generator=torch.Generator().manual_seed(5), policy_version=0)
-    perturbed = copy.deepcopy(model)
-    with torch.no_grad():
-        g = torch.Generator().manual_seed(9)
-        for p in perturbed.parameters():
-            p.add_(0.05 * p.std() * torch.randn(p.shape, generator=g))
+    perturbed = perturbed_copy(model)
     sampler.load_weights(perturbed, 1)
     assert sampler.version == 1 and sampler.last_sync_s > 0 and sampler.syncs >= 2
     moved = sampler.generate(prompts, 2, generator=torch.Generator().manual_seed(5))

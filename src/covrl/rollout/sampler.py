@@ -45,7 +45,7 @@ class SamplerConfig(Section):
     """How rollouts are generated."""
 
     backend: str = Field("hf", description="sampler backend registry name: hf (transformers, CPU/GPU), "
-                         "vllm (a vLLM engine in this process; the vllm extra)")
+                         "vllm (a vLLM engine in this process or its own, sampler.vllm.engine_process; the vllm extra)")
     temperature: float = Field(1.0, gt=0.0, le=100.0, description="softmax temperature of the sampler")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus filter: keep the smallest set with mass >= p")
     top_k: int = Field(0, ge=0, description="keep only the k most likely tokens (0 = off)")
