@@ -120,3 +120,32 @@ def test_otb_fast_runs_every_arm_on_the_same_budget(tmp_path: Path):
     assert per_arm["grpo_n32"]["steps"][0] < per_arm["grpo_n4"]["steps"][0]
     cost = res.numbers["step_cost_otb_vs_grpo"]
     assert cost["cpu_otb"] > 0 and cost["cpu_grpo"] > 0
+
+
+def test_lr_surge_long_fast_arms_and_forced_surge(tmp_path: Path):
+    """The long-response design's fast variant: the length arm decays at the forced surge, the constant arm
+    never, the step-decay arm runs at peak × floor from its decay step on."""
+    from covrl.repro import lr_surge_long
+
+    res = run_one("lr-surge-long", tmp_path, fast=True, seed=0)
+    assert res.passed, [(c.name, c.measured) for c in res.criteria if not c.passed]
+    per_arm = res.numbers["per_arm"]
+    assert set(per_arm) == set(lr_surge_long.FAST.arms)
+    assert per_arm["length"]["decay_steps"][0][0] == lr_surge_long.FAST.force_surge_step
+    # the forced EOS suppression makes the responses run to the budget
+    assert per_arm["constant"]["length_max_of_batch_means"][0] >= lr_surge_long.FAST.max_new_tokens - 1
+    assert _finite_numbers(json.loads((tmp_path / "lr-surge-long" / "result.json").read_text())["numbers"])
+
+
+def test_otb_long_fast_runs_every_arm_on_the_same_budget(tmp_path: Path):
+    from covrl.repro import otb_long
+
+    res = run_one("otb-long", tmp_path, fast=True, seed=0)
+    assert res.passed, [(c.name, c.measured) for c in res.criteria if not c.passed]
+    per_arm = res.numbers["per_arm"]
+    assert set(per_arm) == set(otb.ARMS)
+    for entry in per_arm.values():
+        for row in entry["per_seed"]:
+            assert row["tokens"] >= otb_long.FAST.token_budget
+            assert len(row["eval_curve"]) == otb_long.FAST.checkpoints + 1
+    assert per_arm["grpo_n32"]["steps"][0] < per_arm["grpo_n4"]["steps"][0]

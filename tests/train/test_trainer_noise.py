@@ -3,6 +3,8 @@ of each micro-batch computed on its own."""
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 import torch
 from test_trainer import assert_grads_close, grads_of_step, make_model
@@ -69,3 +71,31 @@ def test_single_group_logs_only_the_signal():
     metrics = Trainer(model, tiny_cfg(**{"optim.max_grad_norm": None})).step(batch)
     assert metrics["noise/signal"] == pytest.approx(metrics["grad_norm"] ** 2, rel=1e-6)
     assert "noise/trace_sigma" not in metrics
+
+
+def test_noise_triggered_lr_decay_follows_the_logged_noise_ema():
+    """lr_surge.trigger=noise: the Trainer feeds the schedule noise/noise_ema after each step; replaying an
+    independent LengthSurgeSchedule on the logged values gives the same ratio, decays and scale, and each step's
+    lr is the base lr times the scale left by the step before."""
+    from covrl.train.lr_surge import LengthSurgeSchedule
+
+    model = make_model()
+    cfg = tiny_cfg(**{"optim.max_grad_norm": None, "optim.micro_batch_size": 32, "algorithm.advantage": "rloo",
+                      "lr_surge.enabled": True, "lr_surge.trigger": "noise", "lr_surge.ratio": 1.05,
+                      "lr_surge.warmup": 0, "lr_surge.cooldown": 0, "lr_surge.max_decays": 10,
+                      "lr_surge.floor": 0.01})
+    trainer = Trainer(model, cfg)
+    replay = LengthSurgeSchedule(cfg.lr_surge, rollouts_per_step=cfg.loop.rollouts_per_step)
+    scale_before, fired = 1.0, 0
+    for seed in range(6):
+        batch = synthetic_batch(model, groups=4, group_size=3, max_len=6, seed=seed)
+        # RLOO does not normalise advantages: scaling the rewards up scales the gradient noise (tr Σ ∝ scale²)
+        batch = replace(batch, rewards=batch.rewards * (1.0 + seed))
+        m = trainer.step(batch)
+        assert m["lr"] == pytest.approx(cfg.optim.lr * scale_before)
+        expected = replay.update(m["noise/noise_ema"], int(m["rollouts"]))
+        for key in ("lr_surge/ratio", "lr_surge/scale", "lr_surge/triggered", "lr_surge/ema"):
+            assert m[key] == pytest.approx(expected[key]), key
+        fired += int(m["lr_surge/triggered"])
+        scale_before = m["lr_surge/scale"]
+    assert fired >= 1 and trainer.surge.scale < 1.0   # the trigger fired on the noise signal

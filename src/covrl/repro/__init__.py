@@ -14,6 +14,8 @@ REPROS: dict[str, str] = {
     "async-momentum": "covrl.repro.async_momentum",
     "lr-surge": "covrl.repro.lr_surge",
     "otb": "covrl.repro.otb",
+    "lr-surge-long": "covrl.repro.lr_surge_long",
+    "otb-long": "covrl.repro.otb_long",
     "ensemble-linear": "covrl.repro.ensemble_linear",
     "seq-jl": "covrl.repro.seq_jl",
     "ensemble-neural": "covrl.repro.ensemble_neural",

@@ -141,10 +141,15 @@ _KEYS = ("reward/mean", "accuracy", "response/length_mean", "response/length_max
          "noise/grad_sq", "noise/b_simple", "skipped", "time/trainer_step")
 
 
-def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_root: Path) -> dict[str, Any]:
+def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_root: Path, cfg=None,
+             before_step=None, keys=None) -> dict[str, Any]:
     """One arm, driven step by step (covrl.repro.harness). `init_state` (the SFT'd weights of this seed) is
-    loaded instead of repeating the warm-up. Returns per-step records, evals and the SFT'd weights."""
-    cfg = surge_config(arm, seed=seed, s=s, sft_steps=0 if init_state is not None else None)
+    loaded instead of repeating the warm-up. Returns per-step records, evals and the SFT'd weights.
+    `cfg` replaces `surge_config(arm, ...)` (another preset or task: covrl.repro.long_horizon), `before_step(step,
+    runner)` runs before each step's batch (e.g. a step decay of the lr), `keys` replaces the recorded metric
+    keys."""
+    if cfg is None:
+        cfg = surge_config(arm, seed=seed, s=s, sft_steps=0 if init_state is not None else None)
     force = {"force": False}
     arm_spec = Arm(cfg, run_root / f"{arm}-seed{seed}", build_sampler_fn=eos_suppressing_sampler_builder(force),
                    init_state=init_state)
@@ -158,9 +163,11 @@ def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_r
 
         def force_from_step(step: int) -> None:
             force["force"] = s.force_surge_step is not None and step >= s.force_surge_step
+            if before_step is not None:
+                before_step(step, runner)
 
         def record(step: Step) -> dict:
-            return {"step": step.index, "forced": float(force["force"]), **pick(step.metrics, _KEYS)}
+            return {"step": step.index, "forced": float(force["force"]), **pick(step.metrics, keys or _KEYS)}
 
         records = runner.drive(s.steps, before_step=force_from_step, record=record)
         force["force"] = False

@@ -110,11 +110,14 @@ _KEYS = ("reward/mean", "accuracy", "response/length_mean", "response_tokens", "
          "skipped", "time/trainer_step")
 
 
-def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_root: Path) -> dict[str, Any]:
+def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_root: Path, cfg=None,
+             keys=None) -> dict[str, Any]:
     """One arm until `s.token_budget` response tokens are generated; evaluations at evenly spaced token
-    checkpoints. Returns per-step records, the eval curve and the starting (SFT'd) weights."""
-    cfg = otb_config(arm, seed=seed, s=s, sft_steps=0 if init_state is not None else None,
-                     steps=s.token_budget)  # loop.steps only bounds the data clock; the budget stops the run
+    checkpoints. Returns per-step records, the eval curve and the starting (SFT'd) weights. `cfg` replaces
+    `otb_config(arm, ...)` (another preset or task: covrl.repro.otb_long); `keys` the recorded metric keys."""
+    if cfg is None:  # loop.steps only bounds the data clock; the budget stops the run
+        cfg = otb_config(arm, seed=seed, s=s, sft_steps=0 if init_state is not None else None,
+                         steps=s.token_budget)
     with ArmRunner(Arm(cfg, run_root / f"{arm}-seed{seed}", init_state=init_state)) as runner:
         run = runner.run
         start_state = runner.weights()
@@ -139,7 +142,7 @@ def _run_arm(arm: str, *, seed: int, s: Settings, init_state: dict | None, run_r
         def record(step: Step) -> dict:
             nonlocal tokens
             tokens += step.response_tokens
-            return {"step": step.index, "tokens": tokens, **pick(step.metrics, _KEYS)}
+            return {"step": step.index, "tokens": tokens, **pick(step.metrics, keys or _KEYS)}
 
         def evaluate_at_marks(step: Step, rec: dict) -> bool:
             while marks and tokens >= marks[0]:

@@ -55,3 +55,29 @@ def paired_ratio_ci(per_seed: dict[int, list[float]], base_key: int, *, draws: i
             ratios[k].append(statistics.fmean(per_seed[k][i] for i in idx) / base)
     lo, hi = int(0.025 * draws), int(0.975 * draws) - 1
     return {k: (sorted(v)[lo], sorted(v)[hi]) for k, v in ratios.items()}
+
+
+def wilson_interval(successes: int, n: int, z: float = 1.959964) -> tuple[float, float]:
+    """95% Wilson score interval of a proportion successes / n (a collapse fraction over seeds); (0, 1) for n = 0.
+    Unlike the normal interval it stays inside [0, 1] and is not empty at 0/n or n/n."""
+    if n < 0 or not 0 <= successes <= max(n, 0):
+        raise ValueError(f"wilson_interval: need 0 <= successes <= n, got {successes}/{n}")
+    if n == 0:
+        return 0.0, 1.0
+    p = successes / n
+    denom = 1.0 + z * z / n
+    centre = (p + z * z / (2 * n)) / denom
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denom
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def paired_mean_ci(diffs: Iterable, *, draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """95% percentile-bootstrap interval of the mean of per-seed paired differences (seeds resampled with
+    replacement; NaN/None dropped first); (nan, nan) if there are none."""
+    d = finite(diffs)
+    if not d:
+        return float("nan"), float("nan")
+    rng = random.Random(seed)
+    n = len(d)
+    means = sorted(statistics.fmean(d[rng.randrange(n)] for _ in range(n)) for _ in range(draws))
+    return means[int(0.025 * draws)], means[int(0.975 * draws) - 1]

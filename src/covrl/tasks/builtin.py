@@ -1,4 +1,4 @@
-"""Built-in generated tasks: arithmetic, count_letters, sort_letters.
+"""Built-in generated tasks: arithmetic, count_letters, sort_letters, fib_chain.
 
 Each problem space is split once, seeded: the eval set is drawn first and no train example repeats an eval
 prompt. Small spaces (e.g. one-digit addition: 100 problems) are enumerated and shuffled; large ones are
@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import itertools
 import random
+import string
 from collections.abc import Callable, Iterator
 
 from covrl.tasks.base import Example
@@ -141,3 +142,50 @@ def build_sort_letters(cfg: TaskConfig) -> Task:
 
     train, eval_set = split_train_eval(None, 0, sample, cfg.n_train, cfg.n_eval, cfg.seed)
     return Task(cfg, train, eval_set, default_reward="exact_match", default_grader="exact_match")
+
+
+# ---------------------------------------------------------------- fib_chain
+
+CHAIN_LABELS = string.ascii_lowercase + string.ascii_uppercase
+
+
+def fib_chain_example(first: int, second: int, steps: int, modulus: int = 100) -> Example:
+    """The worked recurrence v_{i+1} = v_{i-1} + v_i (mod `modulus`) from seeds (first, second), `steps` steps:
+    prompt "03,05:", answer (the demonstration) "a:03+05=08;b:05+08=13;c:08+13=21;#21". Each step restates the two
+    values it adds (copied from the step before) under its label, so the model reads only local context."""
+    if not 1 <= steps <= len(CHAIN_LABELS):
+        raise ValueError(f"fib_chain: 1..{len(CHAIN_LABELS)} steps, got {steps}")
+    if not (0 <= first < modulus and 0 <= second < modulus):
+        raise ValueError(f"fib_chain: seeds must be in [0, {modulus}), got {first}, {second}")
+    width = len(str(modulus - 1))
+    a, b, lines = first, second, []
+    for label in CHAIN_LABELS[:steps]:
+        c = (a + b) % modulus
+        lines.append(f"{label}:{a:0{width}d}+{b:0{width}d}={c:0{width}d};")
+        a, b = b, c
+    seeds = f"{first:0{width}d},{second:0{width}d}"
+    return Example(prompt=f"Start from {seeds}; add the last two values mod {modulus}, {steps} times, writing "
+                          "every step; end with #result.",
+                   answer="".join(lines) + f"#{b:0{width}d}",
+                   meta={"plain_prompt": f"{seeds}:", "seeds": [first, second], "steps": steps, "value": b})
+
+
+def build_fib_chain(cfg: TaskConfig) -> Task:
+    """A long multi-step task for the tiny model: the SFT demonstration is the whole worked solution
+    (11 tokens a step), the reward checks only the result after '#' (`final_answer`). modulus² seed pairs ×
+    the step counts: enumerated and split like one-digit addition when small."""
+    c = cfg.fib_chain
+    counts = range(c.min_steps, c.max_steps + 1)
+
+    def enumerate_space():
+        for k in counts:
+            for first in range(c.modulus):
+                for second in range(c.modulus):
+                    yield fib_chain_example(first, second, k, c.modulus)
+
+    def sample(rng: random.Random) -> Example:
+        return fib_chain_example(rng.randrange(c.modulus), rng.randrange(c.modulus), rng.choice(counts), c.modulus)
+
+    size = c.modulus ** 2 * len(counts)
+    train, eval_set = split_train_eval(enumerate_space, size, sample, cfg.n_train, cfg.n_eval, cfg.seed)
+    return Task(cfg, train, eval_set, default_reward="final_answer", default_grader="final_answer")

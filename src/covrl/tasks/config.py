@@ -34,6 +34,24 @@ class LettersConfig(Section):
         return self
 
 
+class FibChainConfig(Section):
+    """A Fibonacci-style recurrence worked out step by step: plain prompt "03,05:" (two seeds), worked solution
+    "a:03+05=08;b:05+08=13;c:08+13=21;...;#NN" (each step adds the last two values mod `modulus` and names its
+    label; the result after '#'). Every step reads only the step before it, so the working is long but local:
+    11 characters a step, 24 steps make a ~268-token response on the character tokenizer."""
+
+    min_steps: int = Field(24, ge=1, le=52, description="fewest written steps per problem")
+    max_steps: int = Field(24, ge=1, le=52, description="most written steps per problem (labels a-z then A-Z: <= 52)")
+    modulus: int = Field(100, ge=2, le=10_000, description="values are taken mod this and written with a fixed "
+                         "number of digits (100: two digits, '07')")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if self.max_steps < self.min_steps:
+            raise ValueError(f"fib_chain.max_steps={self.max_steps} < fib_chain.min_steps={self.min_steps}")
+        return self
+
+
 class ReasoningGymConfig(Section):
     """A reasoning-gym procedural dataset (extra covrl[reasoning]; generated locally, nothing downloaded)."""
 
@@ -111,10 +129,12 @@ class TaskConfig(Section):
     """Which problems to pose and how to score them."""
 
     name: str = Field("arithmetic", description="task registry name: arithmetic, count_letters, "
-                      "sort_letters, jsonl (path = a .jsonl file), hf_dataset (path = a local datasets folder), "
+                      "sort_letters, fib_chain (long worked solutions), jsonl (path = a .jsonl file), hf_dataset (path = a local datasets folder), "
                       "reasoning_gym (task.reasoning_gym.dataset)")
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig, description="arithmetic options")
     letters: LettersConfig = Field(default_factory=LettersConfig, description="count/sort letters options")
+    fib_chain: FibChainConfig = Field(default_factory=FibChainConfig, description="fib_chain options (a "
+                                      "multi-step recurrence whose worked solution is the demonstration)")
     env: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="multi-turn episodes with "
                                    "tools (env.name set) instead of single-turn completions")
     reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig,
@@ -127,7 +147,7 @@ class TaskConfig(Section):
     answer_field: str = Field("answer", min_length=1, description="record field holding the reference answer")
     split: str = Field("train", description="split to read from an hf_dataset folder")
     reward: str = Field("auto", description="reward registry name (last_number, exact_match, format, "
-                        "last_number_format, math_verify, reasoning_gym) or auto = the task's natural reward")
+                        "last_number_format, final_answer, math_verify, reasoning_gym) or auto = the task's natural reward")
     reward_fn: str | None = Field(None, description="user reward 'module:function' or 'file.py:function'; "
                                   "overrides `reward`; signature fn(completion: str, example) -> float, or "
                                   "TRL's fn(completions, **columns) -> list[float]")

@@ -10,6 +10,7 @@ TASKS: dict[str, str] = {
     "arithmetic": "covrl.tasks.builtin:build_arithmetic",
     "count_letters": "covrl.tasks.builtin:build_count_letters",
     "sort_letters": "covrl.tasks.builtin:build_sort_letters",
+    "fib_chain": "covrl.tasks.builtin:build_fib_chain",
     "jsonl": "covrl.tasks.datasets:build_jsonl",
     "hf_dataset": "covrl.tasks.datasets:build_hf_dataset",
     "reasoning_gym": "covrl.tasks.procedural:build_reasoning_gym",   # extra covrl[reasoning]

@@ -94,12 +94,34 @@ def last_number_format(completion: str, example: Example) -> float:
     return correct - (0.0 if format_only(completion, example) else 0.1)
 
 
+_MARKED = re.compile(r"#\s*(-?\d+)")
+
+
+def marked_number(text: str) -> int | None:
+    """The integer right after the last '#' in `text` (GSM8K's "#### 42" convention), or None.
+    Examples: "a:00+7=07;#07" -> 7, "#1 then #23" -> 23, "no marker 5" -> None, "#x" -> None."""
+    at = text.rfind("#")
+    if at < 0:
+        return None
+    m = _MARKED.match(text, at)
+    return int(m.group(1)) if m else None
+
+
+def final_answer(completion: str, example: Example) -> float:
+    """1.0 if the number after the completion's last '#' equals the one after the reference's last '#' (a worked
+    solution ending "...#15"), else 0.0: the working is free, only the marked result counts."""
+    target = marked_number(example.answer)
+    got = marked_number(completion)
+    return 1.0 if target is not None and got == target else 0.0
+
+
 # name -> fn(completion, example) -> float
 REWARDS: dict[str, RewardFn] = {
     "last_number": last_number,
     "exact_match": exact_match,
     "format": format_only,
     "last_number_format": last_number_format,
+    "final_answer": final_answer,
     "math_verify": math_verify_reward,       # extra covrl[reasoning]
     "reasoning_gym": reasoning_gym_reward,   # extra covrl[reasoning]; task.name=reasoning_gym only
 }
