@@ -55,9 +55,10 @@ class Settings:
 
 FAST = Settings(seeds=1, token_budget=1200, checkpoints=2, prompts_per_step=2, lr=1e-3, sft_steps=8, chain_steps=4,
                 max_new_tokens=56, eval_prompts=4, eval_samples=2)
-# FULL is fixed by the pilot (docs/results/otb.md, design C) before the main run
-FULL = Settings(seeds=4, token_budget=300_000, checkpoints=5, prompts_per_step=8, lr=3e-3, sft_steps=300, chain_steps=32,
-                max_new_tokens=384, eval_prompts=32, eval_samples=4)
+# FULL was fixed from the pilot (docs/results/lr-surge.md, design C) and committed before the main run: the same
+# lr 3e-4 as lr-surge-long; 300k tokens is ~35 N=4 steps (~4-5 at N=32); 8 seeds is about 55 core-minutes.
+FULL = Settings(seeds=8, token_budget=300_000, checkpoints=5, prompts_per_step=8, lr=3e-4, sft_steps=400,
+                chain_steps=32, max_new_tokens=384, eval_prompts=32, eval_samples=4)
 
 
 def arm_config(arm: str, *, seed: int, s: Settings):
