@@ -122,3 +122,19 @@ def test_bf16_autocast_tiny_run_end_to_end(tmp_path):
     # far above the fp32 trainer's float-rounding floor on the same data
     print("mismatch/k3 fp32", fp32, "bf16", bf16)
     assert all(b > 1e-9 and b > 100 * f for b, f in zip(bf16, fp32))
+
+
+def test_bench_mismatch_of_a_known_log_prob_shift():
+    from covrl.bench.step_bench import autocast_mismatch
+
+    base = torch.log(torch.tensor([[0.5, 0.25, 0.1], [0.2, 0.3, 0.9]]))
+    mask = torch.tensor([[1.0, 1.0, 0.0], [1.0, 1.0, 1.0]])
+    shift = torch.tensor([[0.1, -0.2, 5.0], [0.0, 0.05, -0.1]])   # the masked 5.0 must not count
+    m = autocast_mismatch(base, base + shift, mask)
+    d = torch.tensor([0.1, -0.2, 0.0, 0.05, -0.1])   # the valid shifts (log rho)
+    k3 = torch.expm1(d) - d
+    assert m["logprob_max_abs_diff"] == pytest.approx(0.2, rel=1e-5)
+    assert m["logprob_mean_abs_diff"] == pytest.approx(0.45 / 5, rel=1e-5)
+    assert m["mismatch/k3"] == pytest.approx(float(k3.mean()), rel=1e-4)
+    assert m["kl_seq"] == pytest.approx(float(k3[:2].sum() + k3[2:].sum()) / 2, rel=1e-4)
+    assert autocast_mismatch(base, base, mask)["kl_seq"] == 0.0
