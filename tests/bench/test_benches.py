@@ -59,6 +59,15 @@ def test_step_quick_covers_every_variant(tmp_path, cache_dir):
     assert res["prompt_sharing"]["speedup"] > 0
 
 
+def test_step_quick_times_autocast_modes_side_by_side(tmp_path, cache_dir):
+    res = run_bench("step", tmp_path, cache_dir, "--autocast", "none,bf16", "--variants", "plain (grpo + covariance)")
+    assert [g["autocast"] for g in res["grid"]] == ["none", "bf16"]
+    assert res["grid"][0]["speedup_vs_first_mode"] == 1.0 and res["grid"][1]["speedup_vs_first_mode"] > 0
+    gap = res["grid"][1]["mismatch_vs_first_mode"]
+    assert 0 < gap["logprob_max_abs_diff"] < 0.1 and gap["mismatch/k3"] > 0 and gap["kl_seq"] > 0
+    assert [v["variant"] for v in res["variants"]] == ["plain (grpo + covariance)", "plain (grpo + covariance) [bf16]"]
+
+
 def test_rollout_quick_reports_bounds(tmp_path, cache_dir):
     res = run_bench("rollout", tmp_path, cache_dir)
     assert res["bandwidth_GB_s"] > 0 and res["weight_bytes"] > 0

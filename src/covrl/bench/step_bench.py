@@ -10,6 +10,10 @@
    covariance loss, no correction) and for OTB and each correction / extra term switched on alone; reported
    as median step time and overhead over the plain step. All variants run round-robin on one Trainer (its
    config swapped between steps, lr 1e-9 so the weights do not drift), so load changes hit all alike.
+4. `--autocast none,bf16` (trainer.autocast modes): the grid and the variants run once per mode, alternating
+   within each repeat; the grid reports each mode's time as a ratio to the first mode's, and the mismatch the
+   mixed precision adds against the first mode's log-probs on the same tokens (max / mean |Δ log p|, and
+   mismatch/k3, kl_seq = mean_b Σ_t k3 as the run's metrics compute them, covrl.math).
 
 The synthetic batch: random prompt and response ids, full masks, sampler log-probs = the model's own
 log-probs plus N(0, 0.05²) noise (so IS weights and rejection are not trivially 1), the model's top-K for
@@ -24,8 +28,9 @@ import time
 from covrl.bench.common import source_state, write_bench
 from covrl.bench.models import DEFAULT_CACHE, load_model
 from covrl.bench.settings import StepSettings, bench_train_config, default_task_overrides
-from covrl.math import token_logprobs
+from covrl.math import kl_estimate, rollout_correction, token_logprobs
 from covrl.models import frozen_copy
+from covrl.models.precision import AUTOCAST_MODES, check_autocast, cpu_bf16_support
 from covrl.rollout import ScoredBatch
 from covrl.train.trainer import Trainer, forward_response
 
@@ -56,6 +61,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--micro-batch", type=int, default=16, help="optim.micro_batch_size of the variants")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--autocast", default="none",
+                        help="comma-separated trainer.autocast modes to time side by side, e.g. none,bf16 (the "
+                             "first is the baseline of the ratios and of the log-prob mismatch)")
     parser.add_argument("--variants", default="all", help="comma-separated variant names or 'all'")
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
     parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
@@ -107,13 +115,24 @@ def prompt_sharing_check(model, batch) -> dict[str, float]:
             "grad_rel_diff": float((grads[0] - grads[1]).norm() / grads[0].norm().clamp_min(1e-30))}
 
 
-def _fwd_bwd(model, batch, with_stats: bool, share_prompts: bool = True) -> float:
+def autocast_mismatch(base_lp, mixed_lp, mask) -> dict[str, float]:
+    """The gap a mixed-precision trainer adds against a sampler at the base precision on the same tokens, as
+    the run's metrics compute it: the mixed log-probs in the trainer's place, the base ones in the sampler's."""
+    m = rollout_correction(mixed_lp, base_lp, mask).metrics
+    diff = ((mixed_lp - base_lp) * mask).abs()
+    return {"logprob_max_abs_diff": float(diff.max()), "logprob_mean_abs_diff": float(diff.sum() / mask.sum()),
+            "mismatch/k3": float(m["mismatch/k3"]), "mismatch/max_abs_lr": float(m["mismatch/max_abs_lr"]),
+            "kl_seq": float((kl_estimate(base_lp, mixed_lp, "k3") * mask).sum(1).mean())}
+
+
+def _fwd_bwd(model, batch, with_stats: bool, share_prompts: bool = True, autocast: str = "none") -> float:
     import torch
 
 
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    fwd = forward_response(model, batch, 1.0, with_stats=with_stats, share_prompts=share_prompts)
+    fwd = forward_response(model, batch, 1.0, with_stats=with_stats, share_prompts=share_prompts,
+                           autocast=autocast)
     mask = batch.response_mask
     adv = torch.where(batch.rewards > 0.5, 1.0, -1.0)[:, None]
     loss = -(fwd.logprobs * adv * mask).sum() / mask.sum()
@@ -132,26 +151,42 @@ def run(args: argparse.Namespace) -> int:
         args.model, args.micro_batches, args.lengths, args.rows, args.repeats = "tiny", "4", "8", 8, 1
         args.group_size, args.micro_batch, args.response_length, args.prompt_length = 4, 8, 8, 8
     torch.set_num_threads(args.threads)
+    modes = [m.strip() for m in args.autocast.split(",")]
+    for mode in modes:
+        if mode not in AUTOCAST_MODES:
+            raise SystemExit(f"--autocast: unknown mode {mode!r}; allowed: {sorted(AUTOCAST_MODES)}")
+        check_autocast(mode, "cpu")
     model, tokenizer = load_model(args.model, args.cache_dir or DEFAULT_CACHE)
     model.train()
     vocab = model.config.vocab_size
 
-    # 1. forward+backward grid, with/without the per-token statistics, alternating
+    # 1. forward+backward grid, with/without the per-token statistics (and per autocast mode), alternating
     grid = []
+    combos = [(mode, stats) for mode in modes for stats in (True, False)]
     for mb in (int(x) for x in args.micro_batches.split(",")):
         for length in (int(x) for x in args.lengths.split(",")):
             batch = synthetic_batch(model, vocab, mb, args.prompt_length, length, min(args.group_size, mb))
-            _fwd_bwd(model, batch, True)  # warm-up
-            times = {True: [], False: []}
+            for mode in modes:
+                _fwd_bwd(model, batch, True, autocast=mode)  # warm-up
+            times = {c: [] for c in combos}
             for rep in range(args.repeats):
-                for stats in ((True, False) if rep % 2 == 0 else (False, True)):
-                    times[stats].append(_fwd_bwd(model, batch, stats))
-            plain, full = statistics.median(times[False]), statistics.median(times[True])
-            grid.append({"micro_batch": mb, "response_length": length, "prompt_length": args.prompt_length,
-                         "fwd_bwd_s": plain, "fwd_bwd_stats_s": full,
-                         "tokens_per_s": mb * length / plain, "tokens_per_s_stats": mb * length / full,
-                         "all_tokens_per_s": mb * (length + args.prompt_length) / plain,
-                         "stats_overhead": full / plain - 1.0, "load1": os.getloadavg()[0]})
+                for mode, stats in (combos if rep % 2 == 0 else combos[::-1]):
+                    times[mode, stats].append(_fwd_bwd(model, batch, stats, autocast=mode))
+            with torch.no_grad():
+                lps = {mode: forward_response(model, batch, 1.0, with_stats=False, autocast=mode).logprobs
+                       for mode in modes}
+            base_s = statistics.median(times[modes[0], False])
+            for mode in modes:
+                plain, full = statistics.median(times[mode, False]), statistics.median(times[mode, True])
+                row = {"micro_batch": mb, "response_length": length, "prompt_length": args.prompt_length,
+                       "autocast": mode, "fwd_bwd_s": plain, "fwd_bwd_stats_s": full,
+                       "tokens_per_s": mb * length / plain, "tokens_per_s_stats": mb * length / full,
+                       "all_tokens_per_s": mb * (length + args.prompt_length) / plain,
+                       "stats_overhead": full / plain - 1.0, "speedup_vs_first_mode": base_s / plain,
+                       "load1": os.getloadavg()[0]}
+                if mode != modes[0]:
+                    row["mismatch_vs_first_mode"] = autocast_mismatch(lps[modes[0]], lps[mode], batch.response_mask)
+                grid.append(row)
     model.zero_grad(set_to_none=True)
 
     # 2. the Trainer's prompt sharing (optim.share_prompts): exactness, then timed on vs off
@@ -181,10 +216,13 @@ def run(args: argparse.Namespace) -> int:
             "sampler": {"return_topk": 8}}
     cfgs = {}
     for name in names:
-        sections = {k: dict(v) for k, v in base.items()}
-        for key, val in VARIANTS[name].items():
-            sections[key] = {**sections.get(key, {}), **val}
-        cfgs[name] = bench_train_config(settings, **sections)
+        for mode in modes:
+            sections = {k: dict(v) for k, v in base.items()}
+            for key, val in VARIANTS[name].items():
+                sections[key] = {**sections.get(key, {}), **val}
+            sections["trainer"] = {"autocast": mode}
+            cfgs[name if mode == modes[0] else f"{name} [{mode}]"] = bench_train_config(settings, **sections)
+    names = list(cfgs)
     trainer = Trainer(model, cfgs[names[0]])
     ref = frozen_copy(model) if any(c.kl.coef > 0 for c in cfgs.values()) else None
     batch = synthetic_batch(model, vocab, args.rows, args.prompt_length, args.response_length, args.group_size)
@@ -211,15 +249,22 @@ def run(args: argparse.Namespace) -> int:
         variants.append({"variant": name, "step_s": med, "forward_backward_s": fb, "optimizer_s": opt,
                          "other_s": med - fb - opt, "overhead_vs_plain": med / plain_s - 1.0, "runs": rs})
 
-    results = {"source": source_state(), "model": args.model, "threads": args.threads, "grid": grid, "variants": variants,
+    results = {"source": source_state(), "model": args.model, "threads": args.threads, "autocast": modes,
+               "cpu_bf16": cpu_bf16_support(), "grid": grid, "variants": variants,
                "prompt_sharing": prefix,
                "variant_batch": {"rows": args.rows, "prompt_length": args.prompt_length,
                                  "response_length": args.response_length, "micro_batch": args.micro_batch,
                                  "group_size": args.group_size}}
-    t1 = ["| micro-batch | response len | fwd+bwd s | resp tok/s | + entropy/Σπ² s | stats overhead | load |",
-          "|---|---|---|---|---|---|---|"]
-    t1 += [f"| {g['micro_batch']} | {g['response_length']} | {g['fwd_bwd_s']:.3f} | {g['tokens_per_s']:.0f} | "
-           f"{g['fwd_bwd_stats_s']:.3f} | {100 * g['stats_overhead']:+.1f}% | {g['load1']:.1f} |" for g in grid]
+    t1 = ["| micro-batch | response len | autocast | fwd+bwd s | resp tok/s | + entropy/Σπ² s | stats overhead | "
+          f"speed-up vs {modes[0]} | max / mean abs dlogp vs {modes[0]} | k3 | kl_seq | load |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    for g in grid:
+        mm = g.get("mismatch_vs_first_mode")
+        gap = ("- | - | -" if mm is None else f"{mm['logprob_max_abs_diff']:.2e} / {mm['logprob_mean_abs_diff']:.2e}"
+               f" | {mm['mismatch/k3']:.2e} | {mm['kl_seq']:.2e}")
+        t1.append(f"| {g['micro_batch']} | {g['response_length']} | {g['autocast']} | {g['fwd_bwd_s']:.3f} | "
+                  f"{g['tokens_per_s']:.0f} | {g['fwd_bwd_stats_s']:.3f} | {100 * g['stats_overhead']:+.1f}% | "
+                  f"{g['speedup_vs_first_mode']:.2f}x | {gap} | {g['load1']:.1f} |")
     t2 = ["| variant | step s | fwd+bwd s | optimizer s | other s | overhead vs plain |", "|---|---|---|---|---|---|"]
     t2 += [f"| {v['variant']} | {v['step_s']:.3f} | {v['forward_backward_s']:.3f} | {v['optimizer_s']:.3f} | "
            f"{v['other_s']:.3f} | {100 * v['overhead_vs_plain']:+.1f}% |" for v in variants]
@@ -227,9 +272,11 @@ def run(args: argparse.Namespace) -> int:
           f"per-row prompts {prefix['per_row_prompts_s']:.3f} s, shared {prefix['shared_prompts_s']:.3f} s, "
           f"speedup **{prefix['speedup']:.2f}x**; max |dlogp| {prefix['logprob_max_diff']:.1e}, "
           f"grad rel. diff {prefix['grad_rel_diff']:.1e}.\n")
-    note = (f"\nmodel {args.model}, {args.threads} thread(s); variants: {args.rows} rows x ({args.prompt_length} "
+    bf16 = ", ".join(k for k, v in cpu_bf16_support().items() if v) or "none"
+    note = (f"\nmodel {args.model}, {args.threads} thread(s), CPU bf16 instructions: {bf16}; variants: {args.rows} rows x ({args.prompt_length} "
             f"prompt + {args.response_length} response) tokens, micro-batch {args.micro_batch}, "
             f"{args.repeats} round-robin repeats (median).\n")
-    write_bench(f"step-{args.model}" + ("-quick" if args.quick else ""), results,
+    tag = "" if modes == ["none"] else "-autocast-" + "-".join(modes)
+    write_bench(f"step-{args.model}{tag}" + ("-quick" if args.quick else ""), results,
                 "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n\n" + t3 + note, Path(args.out))
     return 0

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from covrl.math import entropy_from_logits, sum_pi_squared, token_logprobs
+from covrl.models.precision import autocast as autocast_context
 
 
 @dataclass
@@ -106,7 +107,8 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
 
 def forward_response(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                      response_mask: torch.Tensor, temperature: float, *, with_stats: bool = True,
-                     topk_ids: torch.Tensor | None = None, share_prompts: bool = True) -> ResponseForward:
+                     topk_ids: torch.Tensor | None = None, share_prompts: bool = True,
+                     autocast: str = "none") -> ResponseForward:
     """Log-probs of the response tokens in one forward pass.
 
     Input = [left-padded prompt | right-padded response]; position ids follow the attention mask (as in
@@ -115,13 +117,17 @@ def forward_response(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     `share_prompts`: rows with identical prompts (a group) share one prompt pass through a KV cache (same
     values up to float rounding, much less compute when prompts are long compared with responses).
     `with_stats`: also the detached entropy and Σπ² per token; `topk_ids` [b, t, K]: also their log-probs.
+    `autocast` (covrl.models.precision.AUTOCAST_MODES): the model runs under torch.autocast; the log-probs,
+    entropy and Σπ² are computed after it, in fp32 from the (bf16) logits upcast block by block.
     """
     prompt_of_row = shared_prompts(prompt_ids, prompt_mask) if share_prompts else None
     logits = None
-    if prompt_of_row is not None and not checkpointing(model):
-        logits = shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, prompt_of_row)
-    if logits is None:
-        logits = full_logits(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    with autocast_context(autocast, response_ids.device, model):
+        if prompt_of_row is not None and not checkpointing(model):
+            logits = shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask,
+                                          prompt_of_row)
+        if logits is None:
+            logits = full_logits(model, prompt_ids, prompt_mask, response_ids, response_mask)
     logprobs = token_logprobs(logits, response_ids, temperature)
     topk = None
     if topk_ids is not None:

@@ -247,6 +247,9 @@ class TrainConfig(Section):
             raise ValueError("logging.noise_scale=true cannot be measured under trainer.parallel=fsdp2: the split "
                              "needs each rank's own gradient, which FSDP2 reduce-scatters without exposing it; "
                              "set logging.noise_scale=false (or use trainer.parallel=ddp; docs/distributed.md)")
+        if self.trainer.autocast != "none" and self.model.dtype != "float32":
+            raise ValueError(f"trainer.autocast={self.trainer.autocast} keeps fp32 master weights: it needs "
+                             f"model.dtype=float32 (got {self.model.dtype}; a bf16 model is already bf16)")
         if self.loop.dynamic_sampling and (self.loop.mode != "sync" or self.trainer.parallel != "none"):
             raise ValueError("loop.dynamic_sampling=true runs with loop.mode=sync and trainer.parallel=none only")
         overlong = self.task.overlong_reward

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from pydantic import Field, field_validator
 
+from covrl.models.precision import AUTOCAST_MODES
 from covrl.settings import Section
 
 __all__ = ["Channel", "Parallel", "TrainerConfig", "carry_optimizer_state", "free_port", "full_model_state",
@@ -40,10 +41,24 @@ class TrainerConfig(Section):
                                 "1); under torchrun its --nproc-per-node x --nnodes (None: take it; a number must "
                                 "match)")
 
-    @field_validator("parallel", mode="before")
+    autocast: str = Field(
+        "none", description="mixed precision of the trainer's forward+backward (covrl.models.precision): none "
+                            "(the model's dtype), bf16 (torch.autocast to bfloat16 with fp32 master weights and "
+                            "AdamW; log-probs, entropy and Σπ² in fp32 from the upcast logits), bf16_fp32_head "
+                            "(the same with the LM head in fp32: logits not rounded to bf16). Also the KL "
+                            "reference's forward; not the sampler, eval or SFT warm-up; docs/performance.md")
+
+    @field_validator("parallel", "autocast", mode="before")
     @classmethod
     def _none_is_a_name(cls, v):
         return "none" if v is None else v   # YAML reads `parallel: none` as null
+
+    @field_validator("autocast")
+    @classmethod
+    def _known_autocast(cls, v: str) -> str:
+        if v not in AUTOCAST_MODES:
+            raise ValueError(f"unknown autocast mode {v!r}; allowed: {', '.join(sorted(AUTOCAST_MODES))}")
+        return v
 
 
 def init_process_group(cfg: TrainerConfig, device: str = "cpu") -> tuple[int, int]:

@@ -50,6 +50,7 @@ from covrl.diagnostics.tangent import tangent_remainder
 from covrl.math import kl_estimate
 from covrl.models.forward import ResponseForward
 from covrl.models.forward import forward_response as forward_response_tokens
+from covrl.models.precision import check_autocast
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.algorithm import Algorithm, bind_algorithm
 from covrl.train.batch_scaling import LagContext, scaled_lr
@@ -138,12 +139,14 @@ def masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
 
 
 def forward_response(model, batch: RolloutBatch, temperature: float, *, with_stats: bool = True,
-                     topk_ids: torch.Tensor | None = None, share_prompts: bool = True) -> ResponseForward:
+                     topk_ids: torch.Tensor | None = None, share_prompts: bool = True,
+                     autocast: str = "none") -> ResponseForward:
     """Trainer log-probs (and detached entropy / Σπ², optional top-k log-probs) of the response tokens of
-    `batch` in one forward pass: covrl.models.forward.forward_response on the batch's tensors."""
+    `batch` in one forward pass: covrl.models.forward.forward_response on the batch's tensors (`autocast`:
+    trainer.autocast; the log-probs are fp32 either way)."""
     return forward_response_tokens(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                    batch.response_mask, temperature, with_stats=with_stats, topk_ids=topk_ids,
-                                   share_prompts=share_prompts)
+                                   share_prompts=share_prompts, autocast=autocast)
 
 
 class Trainer:
@@ -175,6 +178,7 @@ class Trainer:
         self._pending_shards: str | None = None   # fsdp2 resume: a dcp/ folder, loaded once the model is sharded
         self._hooked: _MicroNorms | None = None   # ddp: read by the comm hook during the synced backward
         self.temperature = float(cfg.sampler.temperature)
+        check_autocast(cfg.trainer.autocast, self.params[0].device)   # warns where bf16 would be emulated
         self.rollouts = 0
         self.version = 0
         self.optimizer_steps = 0
@@ -283,7 +287,8 @@ class Trainer:
             mb = _trim(batch.select(idx))
             with contextlib.nullcontext() if par is None else par.gradient_sync(k == len(plan) - 1):
                 fwd = forward_response(fmodel, mb, self.temperature, share_prompts=share_prompts,
-                                       topk_ids=mb.sampler_topk_ids if need_topk else None)
+                                       topk_ids=mb.sampler_topk_ids if need_topk else None,
+                                       autocast=cfg.trainer.autocast)
                 t = mb.response_ids.shape[1]
                 mb_rewards = rewards[idx] if rewards.dim() == 1 else rewards[idx][:, :t]
                 if prepass is None:
@@ -501,7 +506,8 @@ class Trainer:
         for chunk in chunks:
             idx = torch.as_tensor([0] if chunk is None else chunk, dtype=torch.long, device=device)
             mb = _trim(batch.select(idx))
-            fwd = forward_response(self.model, mb, self.temperature, share_prompts=share_prompts)
+            fwd = forward_response(self.model, mb, self.temperature, share_prompts=share_prompts,
+                                   autocast=self.cfg.trainer.autocast)
             if chunk is not None:
                 lp[idx] = _pad_cols(fwd.logprobs.float(), width)
                 sps[idx] = _pad_cols(fwd.sum_pi_sq, width)
@@ -528,8 +534,9 @@ class Trainer:
         for s in range(0, len(mine), size):
             idx = mine[s:s + size]
             mb = _trim(batch.select(idx))
+            # the reference in the trainer's precision: at the start (policy = reference) their KL is exactly 0
             fwd = forward_response(self.ref_model, mb, self.temperature, with_stats=False,
-                                   share_prompts=self.cfg.optim.share_prompts)
+                                   share_prompts=self.cfg.optim.share_prompts, autocast=self.cfg.trainer.autocast)
             out[idx] = _pad_cols(fwd.logprobs.float(), width)
         return out if own is None else self.parallel.all_reduce(out)
 
