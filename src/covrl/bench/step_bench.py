@@ -158,7 +158,9 @@ class BusyLoad:
         import subprocess
         import sys
 
-        self.procs = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(self.n)]
+        # each loop ends by itself once this process is gone (killed without running __exit__)
+        spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+        self.procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(self.n)]
         if self.n and self.warmup_s > 0:
             time.sleep(self.warmup_s)   # the 1-minute load average (which auto reads) rises to the new load
         return self

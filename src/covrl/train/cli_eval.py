@@ -69,7 +69,6 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _err(str(err))
 
-
     from covrl.models import ModelNotFoundError, load_model
     from covrl.rollout import build_sampler
     from covrl.tasks import build_task
