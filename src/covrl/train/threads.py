@@ -1,13 +1,13 @@
-"""torch's CPU thread count for a run: `run.num_threads` (an int, `"auto"`, or None for torch's own default),
-resolved and applied in one place (`apply_num_threads`) by every entry point that builds a model for a run
-(`prepare_run`, `TrainingClient.from_config`, `covrl eval`, the follower ranks of a distributed run, the Ray
-trainer actors).
+"""torch's CPU thread count for a run: `run.num_threads` (an int, `"auto"`, or None: leave torch's count as
+it is, one thread per core in a fresh process), resolved and applied in one place (`apply_num_threads`) by
+every entry point that builds a model for a run (`prepare_run`, `TrainingClient.from_config`, `covrl eval`,
+the follower ranks of a distributed run, the Ray trainer actors).
 
 Why `auto` looks at the machine: torch's default is one intra-op thread per core, and each op waits for all of
 its threads. When other processes keep the cores busy, one of those threads is often descheduled and the others
 spin until it returns: SmolLM2's forward+backward of 16 rows took 23.0 s with 2 threads against 5.5 s with 1
-on a 2-core machine at load 4.7 (4.2x slower; docs/performance.md, "Threads"). So `auto` gives a process only
-the cores that look free:
+on a 2-core machine at load 4.7 (4.2x slower), and 7-44x slower at load 8-24 (docs/performance.md, "Threads").
+So `auto` gives a process only the cores that look free:
 
     threads = max(1, (cores - round(load1 * cores / cpu_count) - reserved) // local_processes)
 
@@ -20,8 +20,8 @@ the cores that look free:
 - `local_processes`: trainer ranks sharing the machine (`LOCAL_WORLD_SIZE`, set by torchrun and, for a Ray
   trainer group, by covrl for the actors on one node).
 
-The load average is read once, at start-up: a load that appears later is not followed (torch's thread count
-can only be set reliably before the first parallel op). It includes this process's own recent work, which is
+The load average is read once, at start-up: a load that appears later is not followed (a run keeps one count,
+the one its record names). It includes this process's own recent work, which is
 negligible at start-up. Results depend on the thread count (float summation order), so the run records the
 resolved count and where it came from (summary.json `num_threads`); pin an int for reproducible runs, as the
 shipped configs do (`run.num_threads: 1`)."""
