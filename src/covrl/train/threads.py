@@ -6,7 +6,7 @@ the follower ranks of a distributed run, the Ray trainer actors).
 Why `auto` looks at the machine: torch's default is one intra-op thread per core, and each op waits for all of
 its threads. When other processes keep the cores busy, one of those threads is often descheduled and the others
 spin until it returns: SmolLM2's forward+backward of 16 rows took 23.0 s with 2 threads against 5.5 s with 1
-on a 2-core machine at load 4.7 (4.2x slower), and 7-44x slower at load 8-24 (docs/performance.md, "Threads").
+on a 2-core machine at load 4.7 (4.2x slower), and 6-44x slower at load 4.9-24 (docs/performance.md, "Threads").
 So `auto` gives a process only the cores that look free:
 
     threads = max(1, (cores - round(load1 * cores / cpu_count) - reserved) // local_processes)
