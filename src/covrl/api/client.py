@@ -49,6 +49,7 @@ from covrl.train.data import DataStream
 from covrl.train.results import StepResult
 from covrl.train.run import Run, resolve_device, seed_everything
 from covrl.train.sft import sft_warmup
+from covrl.train.threads import apply_num_threads
 from covrl.train.trainer import Trainer, fold_micro_metrics
 
 STATE_KEY = "api"
@@ -135,8 +136,7 @@ class TrainingClient:
         lora = cfg.model.lora if lora_after_warmup and warmup and cfg.sft_warmup.steps > 0 else None
         if lora is not None:
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
-        if cfg.run.num_threads:
-            torch.set_num_threads(cfg.run.num_threads)
+        apply_num_threads(cfg)
         seed_everything(cfg.run.seed)
         device = resolve_device(cfg.run.device)
         task = build_task(cfg.task)

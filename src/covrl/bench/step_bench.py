@@ -17,7 +17,13 @@
 
 The synthetic batch: random prompt and response ids, full masks, sampler log-probs = the model's own
 log-probs plus N(0, 0.05²) noise (so IS weights and rejection are not trivially 1), the model's top-K for
-score centring, Bernoulli(0.5) rewards in groups of `group_size`."""
+score centring, Bernoulli(0.5) rewards in groups of `group_size`.
+
+Threads (`--threads 1,2,auto`): every timed call of 1. and 3. runs once per thread count, the counts
+alternating (reversed every repeat) so that load changes hit all alike; `auto` is `run.num_threads: auto`
+resolved once at start (covrl.train.threads). `--load N` starts N busy-loop processes, waits `--load-warmup`
+seconds so that the 1-minute load average (which auto reads) sees them, measures, and kills them; the tables
+state the load average."""
 
 from __future__ import annotations
 
@@ -60,7 +66,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="response tokens in the variants' batch (default run: max_new_tokens 16)")
     parser.add_argument("--micro-batch", type=int, default=16, help="optim.micro_batch_size of the variants")
     parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--threads", type=int, default=1)
+    parser.add_argument("--threads", default="1",
+                        help="torch thread counts to compare, alternating: comma-separated ints and/or 'auto'")
+    parser.add_argument("--load", type=int, default=0,
+                        help="busy-loop processes to run during the measurement (an artificial load)")
+    parser.add_argument("--load-warmup", type=float, default=60.0,
+                        help="seconds to let the load average rise after starting --load before measuring")
     parser.add_argument("--autocast", default="none",
                         help="comma-separated trainer.autocast modes to time side by side, e.g. none,bf16 (the "
                              "first is the baseline of the ratios and of the log-prob mismatch)")
@@ -140,56 +151,131 @@ def _fwd_bwd(model, batch, with_stats: bool, share_prompts: bool = True, autocas
     return time.perf_counter() - t0
 
 
+def parse_threads(spec: str) -> list[int | str]:
+    """`--threads`: comma-separated positive ints and/or 'auto', each at most once."""
+    from covrl.train.threads import check_num_threads
+
+    arms: list[int | str] = []
+    for part in (p.strip() for p in str(spec).split(",")):
+        try:
+            value = check_num_threads(int(part) if part.isdigit() else part, field="--threads: each count")
+        except ValueError as err:
+            raise SystemExit(str(err)) from None
+        if value is None or value in arms:
+            raise SystemExit(f"--threads: {part!r} is empty or repeated in {spec!r}")
+        arms.append(value)
+    return arms
+
+
+class BusyLoad:
+    """`n` busy-loop processes (an artificial load), started on enter and killed on exit."""
+
+    def __init__(self, n: int, warmup_s: float):
+        self.n, self.warmup_s, self.procs = n, warmup_s, []
+
+    def __enter__(self):
+        import subprocess
+        import sys
+
+        # each loop ends by itself once this process is gone (killed without running __exit__)
+        spin = "import os\nparent = os.getppid()\nwhile os.getppid() == parent: pass"
+        self.procs = [subprocess.Popen([sys.executable, "-c", spin]) for _ in range(self.n)]
+        if self.n and self.warmup_s > 0:
+            time.sleep(self.warmup_s)   # the 1-minute load average (which auto reads) rises to the new load
+        return self
+
+    def __exit__(self, *exc):
+        for p in self.procs:
+            p.kill()
+        for p in self.procs:
+            p.wait()
+        return False
+
+
 def run(args: argparse.Namespace) -> int:
+    import os
+
+    if args.quick:
+        args.model, args.micro_batches, args.lengths, args.rows, args.repeats = "tiny", "4", "8", 8, 1
+        args.group_size, args.micro_batch, args.response_length, args.prompt_length = 4, 8, 8, 8
+    arms = parse_threads(args.threads)
+    if args.load < 0:
+        raise SystemExit("--load: the number of busy-loop processes must be >= 0")
+    with BusyLoad(args.load, args.load_warmup):
+        return _measure(args, arms, os.getloadavg()[0])
+
+
+def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: float) -> int:
     import os
     from pathlib import Path
 
     import torch
 
+    from covrl.train.threads import resolve_num_threads
 
-    if args.quick:
-        args.model, args.micro_batches, args.lengths, args.rows, args.repeats = "tiny", "4", "8", 8, 1
-        args.group_size, args.micro_batch, args.response_length, args.prompt_length = 4, 8, 8, 8
-    torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.autocast.split(",")]
     for mode in modes:
         if mode not in AUTOCAST_MODES:
             raise SystemExit(f"--autocast: unknown mode {mode!r}; allowed: {sorted(AUTOCAST_MODES)}")
         check_autocast(mode, "cpu")
+    choices = {arm: resolve_num_threads(arm) for arm in arm_specs}   # auto: resolved once, before any work
+    arms = [str(a) for a in arm_specs]
+    count = {str(a): c.threads for a, c in choices.items()}
+
+    def order(rep: int) -> list[str]:
+        return arms if rep % 2 == 0 else list(reversed(arms))
+
+    def use(arm: str) -> None:
+        torch.set_num_threads(count[arm])
+
+    use(arms[0])
     model, tokenizer = load_model(args.model, args.cache_dir or DEFAULT_CACHE)
     model.train()
     vocab = model.config.vocab_size
 
-    # 1. forward+backward grid, with/without the per-token statistics (and per autocast mode), alternating
+    # 1. forward+backward grid, with/without the per-token statistics, alternating over the thread counts and
+    #    the autocast modes
     grid = []
     combos = [(mode, stats) for mode in modes for stats in (True, False)]
     for mb in (int(x) for x in args.micro_batches.split(",")):
         for length in (int(x) for x in args.lengths.split(",")):
             batch = synthetic_batch(model, vocab, mb, args.prompt_length, length, min(args.group_size, mb))
-            for mode in modes:
-                _fwd_bwd(model, batch, True, autocast=mode)  # warm-up
-            times = {c: [] for c in combos}
+            times = {(arm, mode, stats): [] for arm in arms for mode, stats in combos}
+            loads = {arm: [] for arm in arms}
+            for arm in arms:   # warm-up at every thread count and mode
+                use(arm)
+                for mode in modes:
+                    _fwd_bwd(model, batch, True, autocast=mode)
             for rep in range(args.repeats):
-                for mode, stats in (combos if rep % 2 == 0 else combos[::-1]):
-                    times[mode, stats].append(_fwd_bwd(model, batch, stats, autocast=mode))
+                for arm in order(rep):
+                    use(arm)
+                    for mode, stats in (combos if rep % 2 == 0 else combos[::-1]):
+                        times[arm, mode, stats].append(_fwd_bwd(model, batch, stats, autocast=mode))
+                    loads[arm].append(os.getloadavg()[0])
+            use(arms[0])
             with torch.no_grad():
                 lps = {mode: forward_response(model, batch, 1.0, with_stats=False, autocast=mode).logprobs
                        for mode in modes}
-            base_s = statistics.median(times[modes[0], False])
-            for mode in modes:
-                plain, full = statistics.median(times[mode, False]), statistics.median(times[mode, True])
-                row = {"micro_batch": mb, "response_length": length, "prompt_length": args.prompt_length,
-                       "autocast": mode, "fwd_bwd_s": plain, "fwd_bwd_stats_s": full,
-                       "tokens_per_s": mb * length / plain, "tokens_per_s_stats": mb * length / full,
-                       "all_tokens_per_s": mb * (length + args.prompt_length) / plain,
-                       "stats_overhead": full / plain - 1.0, "speedup_vs_first_mode": base_s / plain,
-                       "load1": os.getloadavg()[0]}
-                if mode != modes[0]:
-                    row["mismatch_vs_first_mode"] = autocast_mismatch(lps[modes[0]], lps[mode], batch.response_mask)
-                grid.append(row)
+            for arm in arms:
+                base_s = statistics.median(times[arm, modes[0], False])
+                for mode in modes:
+                    plain = statistics.median(times[arm, mode, False])
+                    full = statistics.median(times[arm, mode, True])
+                    row = {"threads": count[arm], "threads_arm": arm, "micro_batch": mb, "response_length": length,
+                           "prompt_length": args.prompt_length, "autocast": mode, "fwd_bwd_s": plain,
+                           "fwd_bwd_stats_s": full, "tokens_per_s": mb * length / plain,
+                           "tokens_per_s_stats": mb * length / full,
+                           "all_tokens_per_s": mb * (length + args.prompt_length) / plain,
+                           "stats_overhead": full / plain - 1.0, "speedup_vs_first_mode": base_s / plain,
+                           "load1": statistics.median(loads[arm])}
+                    if mode != modes[0]:
+                        row["mismatch_vs_first_mode"] = autocast_mismatch(lps[modes[0]], lps[mode],
+                                                                          batch.response_mask)
+                    grid.append(row)
     model.zero_grad(set_to_none=True)
 
-    # 2. the Trainer's prompt sharing (optim.share_prompts): exactness, then timed on vs off
+    # 2. the Trainer's prompt sharing (optim.share_prompts): exactness, then timed on vs off (first thread count)
+    use(arms[0])
     pbatch = synthetic_batch(model, vocab, args.rows, args.prompt_length, args.response_length, args.group_size)
     prefix = prompt_sharing_check(model, pbatch)
     _fwd_bwd(model, pbatch, False, share_prompts=True)
@@ -198,11 +284,11 @@ def run(args: argparse.Namespace) -> int:
         for share in ((False, True) if rep % 2 == 0 else (True, False)):
             times[share].append(_fwd_bwd(model, pbatch, False, share_prompts=share))
     prefix.update({"per_row_prompts_s": statistics.median(times[False]),
-                   "shared_prompts_s": statistics.median(times[True])})
+                   "shared_prompts_s": statistics.median(times[True]), "threads": count[arms[0]]})
     prefix["speedup"] = prefix["per_row_prompts_s"] / prefix["shared_prompts_s"]
     model.zero_grad(set_to_none=True)
 
-    # 3. Trainer.step variants round-robin
+    # 3. Trainer.step variants round-robin (and over the thread counts)
     names = list(VARIANTS) if args.variants == "all" else [v.strip() for v in args.variants.split(",")]
     unknown = [n for n in names if n not in VARIANTS]
     if unknown:
@@ -226,57 +312,90 @@ def run(args: argparse.Namespace) -> int:
     trainer = Trainer(model, cfgs[names[0]])
     ref = frozen_copy(model) if any(c.kl.coef > 0 for c in cfgs.values()) else None
     batch = synthetic_batch(model, vocab, args.rows, args.prompt_length, args.response_length, args.group_size)
-    runs = {name: [] for name in names}
+    runs = {(arm, name): [] for arm in arms for name in names}
     for rep in range(args.repeats + 1):  # first round = warm-up
-        order = names if rep % 2 == 0 else list(reversed(names))
-        for name in order:
-            trainer.cfg = cfgs[name]
-            trainer.ref_model = ref if cfgs[name].kl.coef > 0 else None
-            t0 = time.perf_counter()
-            m = trainer.step(batch)
-            dt = time.perf_counter() - t0
-            if rep:
-                runs[name].append({"step_s": dt, "forward_backward_s": m.get("time/forward_backward", 0.0),
-                                   "optimizer_s": m.get("time/optimizer", 0.0), "load1": os.getloadavg()[0]})
-    plain_name = names[0]
-    plain_s = statistics.median(r["step_s"] for r in runs[plain_name])
+        for arm in order(rep):
+            use(arm)
+            for name in (names if rep % 2 == 0 else list(reversed(names))):
+                trainer.cfg = cfgs[name]
+                trainer.ref_model = ref if cfgs[name].kl.coef > 0 else None
+                t0 = time.perf_counter()
+                m = trainer.step(batch)
+                dt = time.perf_counter() - t0
+                if rep:
+                    runs[arm, name].append({"step_s": dt, "forward_backward_s": m.get("time/forward_backward", 0.0),
+                                            "optimizer_s": m.get("time/optimizer", 0.0),
+                                            "load1": os.getloadavg()[0]})
     variants = []
-    for name in names:
-        rs = runs[name]
-        med = statistics.median(r["step_s"] for r in rs)
-        fb = statistics.median(r["forward_backward_s"] for r in rs)
-        opt = statistics.median(r["optimizer_s"] for r in rs)
-        variants.append({"variant": name, "step_s": med, "forward_backward_s": fb, "optimizer_s": opt,
-                         "other_s": med - fb - opt, "overhead_vs_plain": med / plain_s - 1.0, "runs": rs})
+    for arm in arms:
+        plain_s = statistics.median(r["step_s"] for r in runs[arm, names[0]])
+        for name in names:
+            rs = runs[arm, name]
+            med = statistics.median(r["step_s"] for r in rs)
+            fb = statistics.median(r["forward_backward_s"] for r in rs)
+            opt = statistics.median(r["optimizer_s"] for r in rs)
+            variants.append({"variant": name, "threads": count[arm], "threads_arm": arm, "step_s": med,
+                             "forward_backward_s": fb, "optimizer_s": opt, "other_s": med - fb - opt,
+                             "overhead_vs_plain": med / plain_s - 1.0, "runs": rs})
 
-    results = {"source": source_state(), "model": args.model, "threads": args.threads, "autocast": modes,
-               "cpu_bf16": cpu_bf16_support(), "grid": grid, "variants": variants,
-               "prompt_sharing": prefix,
+    # the thread counts side by side: each grid cell's fwd+bwd and the first variant's step, relative to arm 1
+    comparison = []
+    for arm in arms:
+        cells = [g for g in grid if g["threads_arm"] == arm]
+        ref_cells = [g for g in grid if g["threads_arm"] == arms[0]]
+        step = next(v for v in variants if v["threads_arm"] == arm and v["variant"] == names[0])
+        ref_step = next(v for v in variants if v["threads_arm"] == arms[0] and v["variant"] == names[0])
+        comparison.append({"threads_arm": arm, "threads": count[arm], "choice": choices[_spec(arm)].record(),
+                           "fwd_bwd_s": [g["fwd_bwd_s"] for g in cells],
+                           "fwd_bwd_vs_first": [g["fwd_bwd_s"] / r["fwd_bwd_s"] for g, r in zip(cells, ref_cells)],
+                           "step_s": step["step_s"], "step_vs_first": step["step_s"] / ref_step["step_s"]})
+
+    results = {"source": source_state(), "model": args.model, "threads": [count[a] for a in arms],
+               "autocast": modes, "cpu_bf16": cpu_bf16_support(),
+               "threads_arms": arms, "load_processes": args.load, "load1_at_start": load_start,
+               "load1_at_end": os.getloadavg()[0], "threads_comparison": comparison, "grid": grid,
+               "variants": variants, "prompt_sharing": prefix,
                "variant_batch": {"rows": args.rows, "prompt_length": args.prompt_length,
                                  "response_length": args.response_length, "micro_batch": args.micro_batch,
                                  "group_size": args.group_size}}
-    t1 = ["| micro-batch | response len | autocast | fwd+bwd s | resp tok/s | + entropy/Σπ² s | stats overhead | "
-          f"speed-up vs {modes[0]} | max / mean abs dlogp vs {modes[0]} | k3 | kl_seq | load |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    t1 = ["| threads | micro-batch | response len | autocast | fwd+bwd s | resp tok/s | + entropy/Σπ² s | "
+          f"stats overhead | speed-up vs {modes[0]} | max / mean abs dlogp vs {modes[0]} | k3 | kl_seq | load |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in grid:
         mm = g.get("mismatch_vs_first_mode")
         gap = ("- | - | -" if mm is None else f"{mm['logprob_max_abs_diff']:.2e} / {mm['logprob_mean_abs_diff']:.2e}"
                f" | {mm['mismatch/k3']:.2e} | {mm['kl_seq']:.2e}")
-        t1.append(f"| {g['micro_batch']} | {g['response_length']} | {g['autocast']} | {g['fwd_bwd_s']:.3f} | "
-                  f"{g['tokens_per_s']:.0f} | {g['fwd_bwd_stats_s']:.3f} | {100 * g['stats_overhead']:+.1f}% | "
-                  f"{g['speedup_vs_first_mode']:.2f}x | {gap} | {g['load1']:.1f} |")
-    t2 = ["| variant | step s | fwd+bwd s | optimizer s | other s | overhead vs plain |", "|---|---|---|---|---|---|"]
-    t2 += [f"| {v['variant']} | {v['step_s']:.3f} | {v['forward_backward_s']:.3f} | {v['optimizer_s']:.3f} | "
-           f"{v['other_s']:.3f} | {100 * v['overhead_vs_plain']:+.1f}% |" for v in variants]
-    t3 = (f"Prompt sharing (optim.share_prompts; groups of {args.group_size}, fwd+bwd of {args.rows} rows): "
-          f"per-row prompts {prefix['per_row_prompts_s']:.3f} s, shared {prefix['shared_prompts_s']:.3f} s, "
-          f"speedup **{prefix['speedup']:.2f}x**; max |dlogp| {prefix['logprob_max_diff']:.1e}, "
-          f"grad rel. diff {prefix['grad_rel_diff']:.1e}.\n")
+        t1.append(f"| {g['threads_arm']} ({g['threads']}) | {g['micro_batch']} | {g['response_length']} | "
+                  f"{g['autocast']} | {g['fwd_bwd_s']:.3f} | {g['tokens_per_s']:.0f} | {g['fwd_bwd_stats_s']:.3f} | "
+                  f"{100 * g['stats_overhead']:+.1f}% | {g['speedup_vs_first_mode']:.2f}x | {gap} | "
+                  f"{g['load1']:.1f} |")
+    t2 = ["| threads | variant | step s | fwd+bwd s | optimizer s | other s | overhead vs plain |",
+          "|---|---|---|---|---|---|---|"]
+    t2 += [f"| {v['threads_arm']} ({v['threads']}) | {v['variant']} | {v['step_s']:.3f} | "
+           f"{v['forward_backward_s']:.3f} | {v['optimizer_s']:.3f} | {v['other_s']:.3f} | "
+           f"{100 * v['overhead_vs_plain']:+.1f}% |" for v in variants]
+    t3 = (f"Prompt sharing (optim.share_prompts; groups of {args.group_size}, fwd+bwd of {args.rows} rows, "
+          f"{count[arms[0]]} thread(s)): per-row prompts {prefix['per_row_prompts_s']:.3f} s, shared "
+          f"{prefix['shared_prompts_s']:.3f} s, speedup **{prefix['speedup']:.2f}x**; max |dlogp| "
+          f"{prefix['logprob_max_diff']:.1e}, grad rel. diff {prefix['grad_rel_diff']:.1e}.\n")
+    t4 = ""
+    if len(arms) > 1:
+        t4 = (f"\n| threads | fwd+bwd s (grid cells) | vs {arms[0]} | {names[0]} step s | vs {arms[0]} |\n"
+              "|---|---|---|---|---|\n")
+        t4 += "".join(f"| {c['threads_arm']} ({c['threads']}) | {', '.join(f'{x:.3f}' for x in c['fwd_bwd_s'])} | "
+                      f"{', '.join(f'{x:.2f}x' for x in c['fwd_bwd_vs_first'])} | {c['step_s']:.3f} | "
+                      f"{c['step_vs_first']:.2f}x |\n" for c in comparison)
     bf16 = ", ".join(k for k, v in cpu_bf16_support().items() if v) or "none"
-    note = (f"\nmodel {args.model}, {args.threads} thread(s), CPU bf16 instructions: {bf16}; variants: {args.rows} rows x ({args.prompt_length} "
-            f"prompt + {args.response_length} response) tokens, micro-batch {args.micro_batch}, "
-            f"{args.repeats} round-robin repeats (median).\n")
+    note = (f"\nmodel {args.model}, CPU bf16 instructions: {bf16}, threads {', '.join(f'{a}={count[a]}' for a in arms)}; artificial load "
+            f"{args.load} busy process(es); load average {load_start:.2f} at start, {results['load1_at_end']:.2f} "
+            f"at end ({os.cpu_count()} CPUs); variants: {args.rows} rows x ({args.prompt_length} prompt + "
+            f"{args.response_length} response) tokens, micro-batch {args.micro_batch}, {args.repeats} round-robin "
+            f"repeats (median).\n")
     tag = "" if modes == ["none"] else "-autocast-" + "-".join(modes)
     write_bench(f"step-{args.model}{tag}" + ("-quick" if args.quick else ""), results,
-                "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n\n" + t3 + note, Path(args.out))
+                "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n\n" + t3 + t4 + note, Path(args.out))
     return 0
+
+
+def _spec(arm: str) -> int | str:
+    return int(arm) if arm.isdigit() else arm

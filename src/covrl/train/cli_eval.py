@@ -69,17 +69,15 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as err:
         return _err(str(err))
 
-    import torch
-
     from covrl.models import ModelNotFoundError, load_model
     from covrl.rollout import build_sampler
     from covrl.tasks import build_task
     from covrl.train.checkpoint import CheckpointError, load_model_weights
     from covrl.train.evaluate import evaluate
     from covrl.train.run import resolve_device, seed_everything
+    from covrl.train.threads import apply_num_threads
 
-    if cfg.run.num_threads:
-        torch.set_num_threads(cfg.run.num_threads)
+    apply_num_threads(cfg)
     seed_everything(cfg.run.seed)
     try:
         model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)

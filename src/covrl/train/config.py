@@ -23,6 +23,7 @@ from covrl.train.async_config import AsyncLoopConfig
 from covrl.train.batch_scaling import BatchScalingConfig
 from covrl.train.distributed import TrainerConfig
 from covrl.train.lr_surge import LengthSurgeConfig
+from covrl.train.threads import check_num_threads
 
 __all__ = ["AlgorithmConfig", "CheckpointConfig", "ConfigError", "EvalConfig", "KLConfig", "LoggingConfig",
            "LoopConfig", "OptimConfig", "RunConfig", "SFTWarmupConfig", "TrainConfig", "TrainerConfig", "build_config",
@@ -57,8 +58,16 @@ class RunConfig(Section):
     seed: int = Field(0, ge=0, le=2**63 - 1, description="one seed for python, numpy, torch and the sampler's generator")
     output_dir: str = Field("runs", min_length=1, description="folder that holds run folders")
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="device of the trainer (and HF sampler)")
-    num_threads: int | None = Field(None, ge=1, le=1024, description="torch CPU threads (None: torch's default)")
+    num_threads: int | Literal["auto"] | None = Field(
+        "auto", description="torch CPU threads: a count, 'auto' (the cores left free by the load average, shared "
+                            "among local trainer ranks; covrl.train.threads) or null (torch's default: one per "
+                            "core); results depend on it")
     save_initial: bool = Field(False, description="save the weights at the start of RL in checkpoints/initial/")
+
+    @field_validator("num_threads", mode="before")
+    @classmethod
+    def _valid_num_threads(cls, v: Any) -> Any:
+        return check_num_threads(v, field=None)   # the error names run.num_threads
 
 
 class AlgorithmConfig(Section):

@@ -21,13 +21,13 @@ import signal
 import sys
 import threading
 
-import torch
 import torch.distributed as dist
 
 from covrl.models import frozen_copy, load_model
 from covrl.train.distributed import Channel, init_process_group
 from covrl.train.run import mark_summary, resolve_device, seed_everything
 from covrl.train.runner import run_training
+from covrl.train.threads import apply_num_threads
 from covrl.train.trainer import Trainer, TrainingDivergedError
 
 __all__ = ["PEER_DIED", "follow", "train_distributed"]
@@ -99,8 +99,7 @@ def _stop(channel: Channel, code: int) -> str | None:
 
 def follow(cfg, channel: Channel) -> int:
     """A follower rank: a trainer on its own copy of the model, stepping on the batches rank 0 sends."""
-    if cfg.run.num_threads:
-        torch.set_num_threads(cfg.run.num_threads)
+    apply_num_threads(cfg)
     seed_everything(cfg.run.seed)
     trainer = None
     while True:

@@ -33,6 +33,7 @@ from covrl.train.config import TrainConfig
 from covrl.train.distributed import free_port
 from covrl.train.distributed_run import PEER_DIED, train_distributed
 from covrl.train.runner import print_err, run_training
+from covrl.train.threads import apply_num_threads
 from covrl.train.worker_pool import DispatchPool, SamplerWorker
 
 __all__ = ["RayPool", "SamplerActor", "TrainerActor", "ensure_ray", "start_sampler_actors", "train_from_config_ray",
@@ -167,11 +168,17 @@ class TrainerActor:
         address = _ray().util.get_node_ip_address()
         return address, free_port(address)
 
-    def train(self, master: tuple[str, int] | None = None) -> int:
+    def node(self) -> str:
+        """The id of this actor's node (the group counts its ranks per node: LOCAL_WORLD_SIZE)."""
+        return _ray().get_runtime_context().get_node_id()
+
+    def train(self, master: tuple[str, int] | None = None, local_world: int = 1) -> int:
         """The whole trainer side (covrl.train.runner.run_training) or this rank of the group (joined at
-        `master`); returns `covrl train`'s exit code (a follower: rank 0's, sent at stop)."""
-        if self.cfg.run.num_threads:
-            torch.set_num_threads(self.cfg.run.num_threads)
+        `master`; `local_world` ranks on this node); returns `covrl train`'s exit code (a follower: rank 0's,
+        sent at stop)."""
+        if self.cfg.trainer.parallel != "none":   # as torchrun sets it: run.num_threads=auto shares the node
+            os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
+        apply_num_threads(self.cfg)
         try:
             if self.cfg.trainer.parallel == "none":
                 return run_training(self.cfg, prepare_async_run, train_ray, config_path=self.config_path,
@@ -198,7 +205,8 @@ def _train_group(ray, cfg, config_path: str | None, resume: bool) -> int:
     actors = [cls.remote(cfg.model_dump(mode="json"), config_path, resume, rank, world) for rank in range(world)]
     try:
         master = ray.get(actors[0].endpoint.remote())
-        calls = [a.train.remote(master) for a in actors]
+        nodes = ray.get([a.node.remote() for a in actors])
+        calls = [a.train.remote(master, nodes.count(node)) for a, node in zip(actors, nodes)]
         try:
             code = ray.get(calls[0])   # the leader ends the run: 6 when another rank died (its collective broke)
         except ray.exceptions.RayActorError as err:   # the leader itself died: nobody wrote the final summary

@@ -39,6 +39,7 @@ from covrl.train.evaluate import evaluate
 from covrl.train.plots import plot_curves
 from covrl.train.sft import sft_warmup
 from covrl.train.sinks import ConsoleSink, JsonlSink, TensorBoardSink, WandbSink, read_jsonl, truncate_jsonl
+from covrl.train.threads import ThreadChoice, apply_num_threads
 from covrl.train.trainer import Trainer
 
 STATE_FORMAT = 1
@@ -133,6 +134,7 @@ class Run:
     last_eval_rollouts: int = 0
     last_ckpt_rollouts: int = 0
     reason: str | None = None          # why the run ended early (summary.json), with the exit code
+    threads: ThreadChoice | None = None   # run.num_threads as resolved at start (summary.json num_threads)
     exit_code: int | None = None
     resume_skipped: list = field(default_factory=list)   # newer checkpoints --resume could not load
     started_fresh: bool = False        # --resume found no complete checkpoint and started from scratch
@@ -247,6 +249,8 @@ class Run:
             "versions": versions(), "git": git_info(), "seed": self.cfg.run.seed,
             # results depend on the thread count (float summation order): part of what reproduces a run
             "torch_threads": torch.get_num_threads(),
+            # how run.num_threads was resolved: the setting, the count, and auto's inputs (covrl.train.threads)
+            "num_threads": None if self.threads is None else self.threads.record(),
             # the trainer ranks this run stepped on (trainer.parallel; torchrun's or Ray's group)
             "trainer": {"parallel": self.cfg.trainer.parallel,
                         "world_size": dist.get_world_size() if dist.is_initialized() else 1},
@@ -446,8 +450,7 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
         ckpt.clean_temporary(run_dir)
         if not ckpt.list_checkpoints(run_dir):
             _refuse_fresh_start_over(run_dir)
-    if cfg.run.num_threads:
-        torch.set_num_threads(cfg.run.num_threads)
+    threads = apply_num_threads(cfg)
     seed_everything(cfg.run.seed)
     device = resolve_device(cfg.run.device)
 
@@ -467,7 +470,8 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     trainer = Trainer(model, cfg, ref_model=ref_model)
     sampler = (build_sampler_fn or build_sampler)(cfg.sampler, model, tokenizer)
     run = Run(cfg=cfg, run_dir=run_dir, model=model, tokenizer=tokenizer, task=task, sampler=sampler,
-              trainer=trainer, stream=stream, generator=generator, ref_model=ref_model, sft_metrics=sft_metrics)
+              trainer=trainer, stream=stream, generator=generator, ref_model=ref_model, sft_metrics=sft_metrics,
+              threads=threads)
     run.started, run.started_cpu = t_setup, cpu_setup   # wall time counts model load and warm-up too
     run.add_time("model_load", load_s)
     run.resume_skipped = [{"checkpoint": str(p), "reason": why} for p, why in skipped]
