@@ -18,12 +18,16 @@ pytestmark = pytest.mark.skipif(not vllm_available(), reason="vllm is not instal
 
 from covrl.config import load_config  # noqa: E402
 from covrl.models import ModelConfig, load_model  # noqa: E402
+from covrl.models.loading import LoraConfig  # noqa: E402
 from covrl.rollout import SamplerConfig, build_sampler, filtered_logprobs  # noqa: E402
+from covrl.tasks import build_task  # noqa: E402
 from covrl.train.async_config import AsyncLoopConfig  # noqa: E402
 from covrl.train.async_loop import prepare_async_run, train_async  # noqa: E402
+from covrl.train.async_pools import clone_weights  # noqa: E402
 from covrl.train.loop import train_sync  # noqa: E402
 from covrl.train.run import prepare_run  # noqa: E402
 from covrl.train.sinks import read_jsonl  # noqa: E402
+from covrl.train.worker_pool import SamplerWorker  # noqa: E402
 
 SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128, "max_positions": 256}
 PROMPTS = [[5, 76, 12, 84], [13, 9, 84], [20, 21, 22, 23, 24, 25, 84]]
@@ -207,6 +211,63 @@ def test_weight_sync_takes_effect_and_restores_exactly(tiny, cache):
     assert torch.equal(restored.sampler_logprobs, first.sampler_logprobs)
 
 
+# ------------------------------------------------------------------------------------------------ LoRA
+
+def lora_tiny():
+    """The tiny model with LoRA adapters whose B is random (peft starts at B = 0, where they do nothing)."""
+    model, tok = load_model(ModelConfig(source="tiny", tiny=SHAPE, lora=LoraConfig(
+        rank=8, alpha=16, target_modules=["q_proj", "v_proj", "down_proj"])), seed=3)
+    with torch.no_grad():
+        g = torch.Generator().manual_seed(4)
+        for n, p in model.named_parameters():
+            if "lora_B" in n:
+                p.copy_(0.3 * torch.randn(p.shape, generator=g))
+    return model, tok
+
+
+def test_lora_adapter_sync_equals_merged_and_the_trainer(cache):
+    """`sampler.vllm.lora_sync=adapter`: the engine runs with enable_lora and gets the adapters as a LoRARequest.
+    Same seeds as the merged mode: the same tokens, log-probs within LOGPROB_TOL of merged mode and of the
+    trainer's forward (W x + s B A x vs (W + s B A) x differ in the last bits only); a sync replaces the adapter
+    (new id, the old one removed) and takes effect; restoring repeats the first batch bit for bit."""
+    model, tok = lora_tiny()
+    merged, cfg = vllm_sampler(model, tok, cache, temperature=1.0)
+    adapter, _ = vllm_sampler(model, tok, cache, temperature=1.0, vllm={"lora_sync": "adapter"})
+    prompts = [PROMPTS[0], PROMPTS[2], LONG_PROMPT]
+    a = adapter.generate(prompts, 3, generator=torch.Generator().manual_seed(6), policy_version=0)
+    b = merged.generate(prompts, 3, generator=torch.Generator().manual_seed(6), policy_version=0)
+    assert torch.equal(a.response_ids, b.response_ids) and torch.equal(a.response_mask, b.response_mask)
+    m = a.response_mask.bool()
+    assert (a.sampler_logprobs - b.sampler_logprobs)[m].abs().max() < LOGPROB_TOL
+    assert (a.sampler_logprobs - recompute(model, a, cfg))[m].abs().max() < LOGPROB_TOL
+    with model.disable_adapter():   # the adapters matter: without them the log-probs are far off
+        assert (a.sampler_logprobs - recompute(model, a, cfg))[m].abs().max() > 1e-2
+    first_id = adapter._lora_request.lora_int_id
+    moved_model = copy.deepcopy(model)
+    with torch.no_grad():
+        for n, p in moved_model.named_parameters():
+            if "lora_B" in n:
+                p.mul_(-1.0)
+    adapter.load_weights(moved_model.state_dict(), 1)
+    assert adapter._lora_request.lora_int_id == first_id + 1
+    assert adapter.llm.llm_engine.list_loras() == {first_id + 1}   # the old adapter is gone
+    moved = adapter.generate(prompts, 3, generator=torch.Generator().manual_seed(6))
+    mm = moved.response_mask.bool()
+    assert moved.policy_version.tolist() == [1] * 9
+    assert (moved.sampler_logprobs - recompute(moved_model, moved, cfg))[mm].abs().max() < LOGPROB_TOL
+    assert (moved.sampler_logprobs - recompute(model, moved, cfg))[mm].abs().max() > 1e-2
+    adapter.load_weights(model, 2)
+    again = adapter.generate(prompts, 3, generator=torch.Generator().manual_seed(6))
+    assert torch.equal(again.response_ids, a.response_ids)
+    assert torch.equal(again.sampler_logprobs, a.sampler_logprobs)
+
+
+def test_lora_adapter_sync_refuses_a_model_without_adapters(tiny, cache):
+    model, tok = tiny
+    with pytest.raises(ValueError, match="sampler.vllm.lora_sync=adapter needs a model with plain LoRA"):
+        vllm_sampler(model, tok, cache, vllm={"lora_sync": "adapter"})
+
+
 # ------------------------------------------------------------------------------------------------ runs
 
 def run_cfg(tmp_path, cache, **over):
@@ -283,3 +344,56 @@ def test_resume_mid_run_loses_and_repeats_nothing(sync_run):
     train_sync(resumed)
     resumed.close()
     assert comparable(read_jsonl(resumed.run_dir / "metrics.jsonl")) == comparable(sync_records)
+
+
+# ------------------------------------------------------------------------------------------------ sampler workers
+
+def test_sampler_worker_owns_a_vllm_engine_and_records_versions(tmp_path, cache):
+    """`SamplerWorker` is the body of a Ray sampler actor (`SamplerActor.generate` -> `generate_with`) and of a
+    local worker process: with sampler.backend=vllm it owns an engine, takes the weights the dispatcher sends
+    through `VLLMSampler.load_weights`, and every row of a chunk carries the version of the weights that made
+    it; without weights (the worker already holds that version) it generates from the weights it has. Here it
+    runs in this process (one engine for the module; Ray is not installed in the vLLM venv)."""
+    cfg = run_cfg(tmp_path, cache)
+    worker = SamplerWorker(cfg.model_dump(mode="json"), 0)
+    assert worker.sampler.version == -1
+    task = build_task(cfg.task)
+    examples = list(task.train[:2])
+    trained, _ = load_model(cfg.model, seed=11)
+    moved = perturbed_copy(trained)
+    rng = torch.Generator().manual_seed(3).get_state()
+    first = worker.generate_with(clone_weights(trained), 4, examples, [0, 1], rng, True)
+    assert worker.sampler.version == 4 and first["floor"] < 1e-6   # the engine holds exactly these weights
+    assert first["batch"].policy_version.tolist() == [4] * (2 * cfg.loop.group_size)
+    again = worker.generate_with(None, 4, examples, [0, 1], rng, False)   # same version: no weights sent
+    assert torch.equal(again["batch"].response_ids, first["batch"].response_ids)
+    assert torch.equal(again["rng_after"], first["rng_after"])
+    later = worker.generate_with(clone_weights(moved), 5, examples, [0, 1], rng, True)
+    assert worker.sampler.version == 5 and later["floor"] < 1e-6
+    assert later["batch"].policy_version.tolist() == [5] * (2 * cfg.loop.group_size)
+    m = later["batch"].response_mask.bool()
+    at_old = recompute(trained, later["batch"], cfg.sampler)
+    assert (later["batch"].sampler_logprobs - at_old)[m].abs().max() > 1e-2   # version 5's weights, not 4's
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("num_samplers", [2])
+def test_process_pool_with_one_vllm_engine_per_worker(tmp_path, cache, num_samplers):
+    """`async_loop.local_backend=process`: every worker process owns its vLLM engine (num_samplers engines plus
+    the trainer side's, which evaluates). Two steps: rows carry the version of the weights that generated them
+    (staleness within the bound), the engines hold exactly those weights (floor probe on every chunk) and the
+    trainer's step-1 mismatch is at the fp32 floor."""
+    cfg = run_cfg(tmp_path, cache, **{"loop.steps": 2, "eval.after": False, "async_loop.local_backend": "process",
+                                      "async_loop.num_samplers": num_samplers, "async_loop.max_staleness_steps": 1,
+                                      "async_loop.floor_probe_every": 1})
+    run = prepare_async_run(named(cfg, f"process{num_samplers}"), console=False)
+    try:
+        summary = train_async(run)
+    finally:
+        run.close()
+    records = read_jsonl(run.run_dir / "metrics.jsonl")
+    assert summary["status"] == "completed" and [r["step"] for r in records] == [1, 2]
+    assert summary["async"]["pool"] == "ProcessPool" and summary["async"]["floor_probes"] >= 2
+    assert summary["async"]["floor_kl_seq"] < 1e-6
+    assert records[0]["async/staleness_max"] == 0 and records[0]["mismatch/k3"] < 1e-8
+    assert all(r["async/staleness_max"] <= 1 for r in records)

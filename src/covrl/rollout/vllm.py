@@ -26,8 +26,15 @@ process, and receives the trainer's weights without a restart.
   distribution), not the filtered q at `sampler.temperature` that the hf backend reports for greedy rows;
 - `load_weights(model_or_state_dict, version)`: `collective_rpc("reload_weights", weights_iterator)` then
   `reset_prefix_cache()` (a cached prompt prefix would keep the old weights' KV); `lm_head.weight` is always
-  sent (with tied embeddings vLLM keeps its own head otherwise); LoRA adapters are merged into the pushed
-  weights. Seconds per sync: `last_sync_s`, `sync_s_total`, `syncs`;
+  sent (with tied embeddings vLLM keeps its own head otherwise). Seconds per sync: `last_sync_s`,
+  `sync_s_total`, `syncs`;
+- LoRA models, `sampler.vllm.lora_sync`: `merged` (default) pushes W + scale * B @ A every sync; `adapter`
+  starts the engine with `enable_lora` (one adapter slot, max_lora_rank = the smallest rank vLLM accepts >=
+  model.lora.rank), pushes the frozen base weights when the sampler takes over the engine and then, every
+  sync, writes the adapters in peft format (adapter_config.json + adapter_model.safetensors) to a new folder
+  under `weights_dir` and loads them as a `LoRARequest` with a new id (vLLM caches adapters by id and name),
+  removing the previous one; every request carries it. Refused (ValueError naming the field) for a model
+  without plain LoRA layers, one that also trains non-adapter weights, rslora or a rank above 512;
 - `engine_process: true`: vLLM's own multiprocess mode (`VLLM_ENABLE_V1_MULTIPROCESSING=1` while `LLM(...)`
   starts; the engine core and its worker run in child processes, this process keeps the `LLM` client). Chosen
   over a covrl-made process or Ray actor because everything else stays as it is: `LLM.generate`'s outputs,
@@ -44,9 +51,16 @@ process, and receives the trainer's weights without a restart.
   `spawn`: a script that builds this sampler needs an `if __name__ == "__main__":` guard (the `covrl`
   command has one; `python -m covrl` is safe: spawn does not rerun a package's `__main__`). `shutdown_engines()` stops the engines this process started.
 
-Limits: one engine per process and options (no Ray-actor engine, no several engines for the async loop or
-the Ray backend yet); the async `process` pool would start one engine per worker process and is not
-supported; an in-process CPU engine makes `torch.set_num_threads` a no-op for the whole process.
+Several engines: one engine per process and options. The async loop's `process` pool
+(`async_loop.local_backend=process`, `async_loop.num_samplers` workers) and the Ray backend's sampler actors
+run `covrl.train.worker_pool.SamplerWorker`, which builds this sampler in its own process: every worker owns an
+engine, gets the weights the dispatcher sends through `load_weights`, and every row records the version of
+the weights that generated it; the trainer side keeps its own engine for evaluation.
+
+Limits: the Ray path with vLLM was not run here (Ray is not installed in the CPU vLLM venv; its code is the
+`SamplerWorker` tested in-process and through the process pool); on a CPU, engines in several processes each
+bind their OpenMP threads by vLLM's default (`auto`) and so share cores; an in-process CPU engine makes
+`torch.set_num_threads` a no-op for the whole process.
 """
 
 from __future__ import annotations
@@ -61,12 +75,13 @@ import shutil
 import tempfile
 import time
 from pathlib import Path
+from typing import Literal
 
 import torch
 from pydantic import Field
 
 from covrl._lazy import require
-from covrl.models.loading import lora_merge_plan, merge_lora_state_dict, pad_and_stop_ids
+from covrl.models.loading import PEFT_PREFIX, lora_merge_plan, merge_lora_state_dict, pad_and_stop_ids
 from covrl.rollout.prompts import check_prompts
 from covrl.rollout.types import TOPK_LOGPROB_FLOOR, RolloutBatch, RolloutTiming
 from covrl.settings import Section
@@ -107,6 +122,10 @@ class VLLMEngineConfig(Section):
                                          "VLLM_CPU_OMP_THREADS_BIND for the engine process; None = every core "
                                          "this process may use ('0,1,...'; vLLM's 'auto' keeps one core idle for "
                                          "its scheduler)")
+    lora_sync: Literal["merged", "adapter"] = Field(
+        "merged", description="LoRA models only: merged = push W + scale * B @ A every sync; adapter = start the "
+        "engine with enable_lora and send the adapters (peft format, a folder under weights_dir) as a new vLLM "
+        "LoRARequest every sync (the frozen base weights are pushed once)")
 
 
 def vllm_available() -> bool:
@@ -178,8 +197,13 @@ def _start_env(vcfg: VLLMEngineConfig) -> dict[str, str]:
     return env
 
 
-def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int, max_model_len: int | None):
-    key = (str(folder), dtype, vcfg.model_dump_json(), max_logprobs, max_model_len)
+# the LoRA ranks vLLM accepts as max_lora_rank (vllm.config.lora.MaxLoRARanks, 0.32.0)
+_VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
+
+
+def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int, max_model_len: int | None,
+            lora_rank: int | None = None):
+    key = (str(folder), dtype, vcfg.model_dump_json(), max_logprobs, max_model_len, lora_rank)
     if key in _ENGINES:
         return _ENGINES[key]
     env = _start_env(vcfg)
@@ -200,6 +224,9 @@ def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int,
         kwargs["max_model_len"] = max_model_len
     if torch.cuda.is_available():
         kwargs["gpu_memory_utilization"] = vcfg.gpu_memory_utilization
+    if lora_rank is not None:   # one adapter slot (the policy's), two cached so a sync can add before removing
+        kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=2,
+                      max_lora_rank=next(r for r in _VLLM_LORA_RANKS if r >= lora_rank))
     try:
         t0 = time.perf_counter()
         llm = vllm.LLM(**kwargs)
@@ -212,8 +239,8 @@ def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int,
                 else:
                     os.environ[k] = v
     entry = {"llm": llm, "owner": None, "vllm": vllm, "start_s": start_s, "process": vcfg.engine_process,
-             "weights_dir": None}
-    if vcfg.engine_process:
+             "weights_dir": None, "lora_id": 0}
+    if vcfg.engine_process or lora_rank is not None:   # weight files / adapter folders
         root = Path(vcfg.weights_dir).expanduser()
         root = root if root.is_dir() else Path(tempfile.gettempdir())
         entry["weights_dir"] = Path(tempfile.mkdtemp(prefix=f"covrl-vllm-{os.getpid()}-", dir=root))
@@ -273,9 +300,12 @@ class VLLMSampler:
         self.context = getattr(getattr(_base_model(model), "config", None), "max_position_embeddings", None)
         self._lora_plan = lora_merge_plan(model)
         self._lora_adapter = getattr(model, "active_adapter", "default")
+        self._peft_config = self._adapter_config(model) if self.vcfg.lora_sync == "adapter" else None
+        self._lora_request = None
         self.folder = export_model_folder(model, tokenizer, self.vcfg.model_cache)
         self._entry = _engine(self.folder, self.dtype, self.vcfg, max(20, cfg.return_topk),
-                              self.vcfg.max_model_len or self.context)
+                              self.vcfg.max_model_len or self.context,
+                              None if self._peft_config is None else int(self._peft_config.r))
         self.llm = self._entry["llm"]
         self._vllm = self._entry["vllm"]
         self.version = 0
@@ -286,22 +316,72 @@ class VLLMSampler:
 
     # ------------------------------------------------------------------ weights
 
+    def _adapter_config(self, model):
+        """lora_sync=adapter: the peft config of the model's adapter, or a clear error when adapters cannot be
+        sent as such (no plain LoRA layers, non-adapter weights trained, a rank vLLM does not take)."""
+        if self._lora_plan is None:
+            raise ValueError("sampler.vllm.lora_sync=adapter needs a model with plain LoRA adapters (model.lora; "
+                             "no DoRA, no fan_in_fan_out); this model has none: use sampler.vllm.lora_sync=merged")
+        trained = [n for n, p in model.named_parameters() if p.requires_grad and ".lora_" not in n]
+        if trained:
+            raise ValueError("sampler.vllm.lora_sync=adapter pushes the base weights once, but the model also "
+                             f"trains {len(trained)} non-adapter tensors ({trained[0]}, ...): use "
+                             "sampler.vllm.lora_sync=merged")
+        pcfg = copy.deepcopy(model.peft_config[self._lora_adapter])
+        if getattr(pcfg, "use_rslora", False) or pcfg.r > _VLLM_LORA_RANKS[-1]:
+            raise ValueError(f"sampler.vllm.lora_sync=adapter: LoRA rank {pcfg.r} (rslora "
+                             f"{getattr(pcfg, 'use_rslora', False)}) is not supported by vLLM's LoRA "
+                             f"(rank <= {_VLLM_LORA_RANKS[-1]}, no rslora): use sampler.vllm.lora_sync=merged")
+        return pcfg
+
+    def _push_adapter(self, state: dict) -> None:
+        """The adapters of `state` as a peft folder (adapter_config.json + adapter_model.safetensors, keys
+        without the adapter name), loaded into the engine as a LoRARequest with a new id; the previous one is
+        removed. vLLM caches adapters by id and name, so every sync gets new ones."""
+        save_file = require("safetensors.torch", "vllm").save_file
+        entry = self._entry
+        entry["lora_id"] += 1
+        lid = entry["lora_id"]
+        folder = entry["weights_dir"] / f"lora-{lid}"
+        folder.mkdir()
+        tensors = {}
+        for path in self._lora_plan:
+            for part in ("lora_A", "lora_B"):
+                v = state[f"{PEFT_PREFIX}{path}.{part}.{self._lora_adapter}.weight"]
+                tensors[f"{PEFT_PREFIX}{path}.{part}.weight"] = v.detach().cpu().contiguous()
+        save_file(tensors, str(folder / "adapter_model.safetensors"))
+        self._peft_config.save_pretrained(str(folder))
+        lora_request = require("vllm.lora.request", "vllm").LoRARequest
+        request = lora_request(lora_name=f"covrl-{lid}", lora_int_id=lid, lora_path=str(folder))
+        self.llm.llm_engine.add_lora(request)   # loaded now, so the sync time includes it
+        old = self._lora_request
+        if old is not None:
+            self.llm.llm_engine.remove_lora(old.lora_int_id)
+            shutil.rmtree(old.lora_path, ignore_errors=True)
+        self._lora_request = request
+
     def load_weights(self, model_or_state_dict, version: int) -> None:
         """Push the trainer's weights (a module or its state dict) into the running engine and mark them as
-        policy `version`."""
+        policy `version`. With lora_sync=adapter only the adapters travel (the frozen base weights are pushed
+        when this sampler takes over the engine)."""
         t0 = time.perf_counter()
         state = model_or_state_dict.state_dict() if hasattr(model_or_state_dict, "state_dict") \
             else dict(model_or_state_dict)
-        if self._lora_plan is not None:
-            state = merge_lora_state_dict(state, self._lora_plan, self._lora_adapter)
-        if "lm_head.weight" not in state and "model.embed_tokens.weight" in state:
-            state["lm_head.weight"] = state["model.embed_tokens.weight"]   # tied: vLLM's head is separate
-        with torch.no_grad():
-            if self._entry["weights_dir"] is not None:
-                _push_path(self.llm, state, self._entry["weights_dir"])
-            else:
-                self.llm.collective_rpc("reload_weights", kwargs={
-                    "weights_iterator": iter([(k, v.detach()) for k, v in state.items()])})
+        adapter = self._peft_config is not None
+        if not adapter or self._entry["owner"] != id(self):
+            full = state
+            if self._lora_plan is not None:   # adapter mode: the base alone (an empty plan merges nothing)
+                full = merge_lora_state_dict(state, {} if adapter else self._lora_plan, self._lora_adapter)
+            if "lm_head.weight" not in full and "model.embed_tokens.weight" in full:
+                full["lm_head.weight"] = full["model.embed_tokens.weight"]   # tied: vLLM's head is separate
+            with torch.no_grad():
+                if self._entry["process"]:
+                    _push_path(self.llm, full, self._entry["weights_dir"])
+                else:
+                    self.llm.collective_rpc("reload_weights", kwargs={
+                        "weights_iterator": iter([(k, v.detach()) for k, v in full.items()])})
+        if adapter:
+            self._push_adapter(state)
         self.llm.reset_prefix_cache()
         self._entry["owner"] = id(self)
         self.version = int(version)
@@ -352,15 +432,16 @@ class VLLMSampler:
                               RolloutTiming(generate_s=elapsed))
 
     def _submit(self, reqs, params):
+        lora = self._lora_request   # None unless lora_sync=adapter
         if not self._entry["process"]:
-            return self.llm.generate(reqs, params, use_tqdm=False)
+            return self.llm.generate(reqs, params, lora_request=lora, use_tqdm=False)
         # engine in its own process: requests reach it one message at a time, and its busy loop would start
         # on the first ones, so an engine step's batch (hence the last bits of every log-prob) would depend
         # on arrival timing. Paused while they arrive, the first step sees all of them, as in-process.
         core = self.llm.llm_engine.engine_core
         core.call_utility("pause_scheduler", "keep", False)
         try:
-            self.llm.enqueue(reqs, params, use_tqdm=False)
+            self.llm.enqueue(reqs, params, lora_request=lora, use_tqdm=False)
         finally:
             core.call_utility("resume_scheduler")
         return self.llm.wait_for_completion(use_tqdm=False)
