@@ -60,10 +60,11 @@ PER_STEP = ("reward/mean", "mismatch/k3", "kl_seq", "mismatch/chi2_token", "mism
             "correction/masked_frac", "correction/ess_frac", "time/step", "time/generate", "time/sync")
 
 
-def run_arm(arm: str, overrides: list[str], steps: int) -> dict:
+def run_arm(arm: str, overrides: list[str], steps: int, eval_before: bool = True) -> dict:
     """One `covrl train` in the vLLM venv; returns the arm's summary (per-step series, evals, wall, load)."""
     cmd = [str(VLLM_PYTHON), "-m", "covrl", "train", "--config", str(ROOT / "configs/default.yaml"),
-           "--name", arm, "--no-progress", *COMMON, f"loop.steps={steps}", *overrides]
+           "--name", arm, "--no-progress", *COMMON, f"loop.steps={steps}",
+           *([] if eval_before else ["eval.before=false"]), *overrides]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     load0 = os.getloadavg()
     t0 = time.time()
@@ -79,7 +80,7 @@ def run_arm(arm: str, overrides: list[str], steps: int) -> dict:
         "command": " ".join(cmd[1:]), "overrides": overrides, "rc": proc.returncode, "seconds": round(seconds, 1),
         "load_average_start": [round(x, 2) for x in load0],
         "load_average_end": [round(x, 2) for x in os.getloadavg()],
-        "steps": len(rows), "status": summary.get("status"),
+        "loop_steps": steps, "steps": len(rows), "status": summary.get("status"),
         "eval_before": (summary.get("eval_before") or {}).get("greedy"),
         "eval_after": (summary.get("eval_after") or {}).get("greedy"),
         "git": summary.get("git"), "torch_threads": summary.get("torch_threads"),
@@ -117,6 +118,8 @@ def main() -> int:
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--rs-threshold", type=float, default=0.01,
                         help="upper bound on the sequence-mean k3 for the rejection arm")
+    parser.add_argument("--no-eval-before", action="store_true", help="skip the held-out eval before training "
+                        "(it is the same for every arm with the same engine dtype: same weights, greedy, same seed)")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args()
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"arms": {}}
@@ -125,10 +128,10 @@ def main() -> int:
             print(f"no vLLM venv at {VLLM_PYTHON} (scripts/setup_vllm_env.sh, or set COVRL_VLLM_PYTHON)")
             return 2
         OUT.mkdir(parents=True, exist_ok=True)
-        results.update(steps=args.steps, rs_threshold=args.rs_threshold)
+        results.update(rs_threshold=args.rs_threshold)
         for arm in args.arms.split(","):
             overrides = [o.replace("RS_T", repr(args.rs_threshold)) for o in ARMS[arm]]
-            results["arms"][arm] = run_arm(arm, overrides, args.steps)
+            results["arms"][arm] = run_arm(arm, overrides, args.steps, not args.no_eval_before)
             RESULTS.parent.mkdir(parents=True, exist_ok=True)
             RESULTS.write_text(json.dumps(results, indent=1))
     if results["arms"]:
