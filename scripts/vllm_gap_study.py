@@ -112,6 +112,47 @@ def plot(arms: dict) -> None:
     save_figure(fig, FIG, dpi=110)
 
 
+def _fmt(x) -> str:
+    return "—" if x is None else f"{x:.2g}" if abs(x) < 0.01 and x != 0 else f"{x:.3g}"
+
+
+def _nums(values) -> list[float]:
+    return [v for v in values if isinstance(v, (int, float))]
+
+
+def table(results: dict) -> str:
+    """Markdown summary per arm and the pre-registered pass rule (docs/gap-study.md, section 3)."""
+    arms = results["arms"]
+    ref_after = (arms.get("fp32") or {}).get("eval_after")
+    lines = ["| arm | steps | greedy before -> after | k3 step 1 | k3 max of steps 3.. | k3 last 10 (median) "
+             "| kl_seq step 1 / mean | chi2_token step 1 / mean | masked frac (mean) | ESS frac (mean) "
+             "| reward last 5 | wall s | load (start/end) | pass (a,b,c,d) |", "|---" * 14 + "|"]
+    for arm, a in arms.items():
+        ps = a["per_step"]
+        k3, kl, chi = _nums(ps["mismatch/k3"]), _nums(ps["kl_seq"]), _nums(ps["mismatch/chi2_token"])
+        masked, ess = _nums(ps["correction/masked_frac"]), _nums(ps["correction/ess_frac"])
+        last10 = sorted(k3[-10:])
+        med = last10[len(last10) // 2] if last10 else None
+        reward = _nums(ps["reward/mean"])[-5:]
+        checks = None
+        if arm != "fp32" and k3:
+            planned = a.get("loop_steps", results.get("steps", 30))
+            checks = [a["steps"] == planned and a["rc"] == 0,
+                      ref_after is not None and a["eval_after"] is not None and a["eval_after"] >= ref_after - 0.10,
+                      max(k3[-10:]) <= 10 * k3[0],
+                      arm != "bf16_rs" or (bool(masked) and sum(masked) / len(masked) < 0.5)]
+        lines.append(
+            f"| {arm} | {a['steps']} | {_fmt(a['eval_before'])} -> {_fmt(a['eval_after'])} | {_fmt(k3[0] if k3 else None)} "
+            f"| {_fmt(max(k3[2:]) if len(k3) > 2 else None)} | {_fmt(med)} "
+            f"| {_fmt(kl[0] if kl else None)} / {_fmt(sum(kl) / len(kl) if kl else None)} "
+            f"| {_fmt(chi[0] if chi else None)} / {_fmt(sum(chi) / len(chi) if chi else None)} "
+            f"| {_fmt(sum(masked) / len(masked) if masked else None)} | {_fmt(sum(ess) / len(ess) if ess else None)} "
+            f"| {_fmt(sum(reward) / len(reward) if reward else None)} | {a['seconds']:.0f} "
+            f"| {a['load_average_start'][0]:.1f}/{a['load_average_end'][0]:.1f} "
+            f"| {'—' if checks is None else ','.join('y' if c else 'n' for c in checks)} |")
+    return "\n".join(lines)
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--arms", default=",".join(ARMS), help=f"comma-separated, of {', '.join(ARMS)}")
@@ -136,6 +177,7 @@ def main() -> int:
             RESULTS.write_text(json.dumps(results, indent=1))
     if results["arms"]:
         plot(results["arms"])
+        print(table(results))
     return 0
 
 
