@@ -123,7 +123,8 @@ def _nums(values) -> list[float]:
 def table(results: dict) -> str:
     """Markdown summary per arm and the pre-registered pass rule (docs/gap-study.md, section 3)."""
     arms = results["arms"]
-    ref_after = (arms.get("fp32") or {}).get("eval_after")
+    # the fp32 arm's accuracy after training; else a reference given on the command line (recorded in the JSON)
+    ref_after = (arms.get("fp32") or {}).get("eval_after") or results.get("reference_after")
     lines = ["| arm | steps | greedy before -> after | k3 step 1 | k3 max of steps 3.. | k3 last 10 (median) "
              "| kl_seq step 1 / mean | chi2_token step 1 / mean | masked frac (mean) | ESS frac (mean) "
              "| reward last 5 | wall s | load (start/end) | pass (a,b,c,d) |", "|---" * 14 + "|"]
@@ -161,6 +162,8 @@ def main() -> int:
                         help="upper bound on the sequence-mean k3 for the rejection arm")
     parser.add_argument("--no-eval-before", action="store_true", help="skip the held-out eval before training "
                         "(it is the same for every arm with the same engine dtype: same weights, greedy, same seed)")
+    parser.add_argument("--reference-after", type=float, default=None, help="fp32 reference accuracy after "
+                        "training for rule (b) when this study's fp32 arm has none (recorded in the JSON)")
     parser.add_argument("--plot-only", action="store_true")
     args = parser.parse_args()
     results = json.loads(RESULTS.read_text()) if RESULTS.exists() else {"arms": {}}
@@ -175,6 +178,9 @@ def main() -> int:
             results["arms"][arm] = run_arm(arm, overrides, args.steps, not args.no_eval_before)
             RESULTS.parent.mkdir(parents=True, exist_ok=True)
             RESULTS.write_text(json.dumps(results, indent=1))
+    if args.reference_after is not None:
+        results["reference_after"] = args.reference_after
+        RESULTS.write_text(json.dumps(results, indent=1))
     if results["arms"]:
         plot(results["arms"])
         print(table(results))
