@@ -9,7 +9,7 @@ demo train: setup
 	.venv/bin/covrl train --config configs/default.yaml
 test: setup setup-vllm
 	.venv/bin/python -m pytest
-	if [ "$${COVRL_SKIP_VLLM:-0}" != "1" ]; then .venv-vllm/bin/python -m pytest tests/rollout/test_vllm.py; fi
+	if [ "$${COVRL_SKIP_VLLM:-0}" != "1" ]; then .venv-vllm/bin/python -m pytest tests/rollout/test_vllm.py tests/rollout/test_vllm_bench.py; fi
 test-slow: setup
 	.venv/bin/python -m pytest -m slow
 # ruff, then the import contracts of pyproject.toml ([tool.importlinter]: layers, no cycles)

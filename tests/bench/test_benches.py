@@ -76,6 +76,16 @@ def test_rollout_quick_reports_bounds(tmp_path, cache_dir):
         assert row["roofline_tok_s"] == min(row["bandwidth_bound_tok_s"], row["compute_bound_tok_s"])
 
 
+def test_rollout_without_vllm_skips_that_side(tmp_path, cache_dir, monkeypatch):
+    import covrl.rollout.vllm as vllm_mod
+
+    monkeypatch.setattr(vllm_mod, "vllm_available", lambda: False)   # as in an install without the extra
+    res = run_bench("rollout", tmp_path, cache_dir, "--batch-sizes", "1")
+    assert res["vllm"]["skipped"].startswith("skipped: vllm is not importable")
+    assert [sorted(r["runs"]) for r in res["rows"]] == [["covrl", "generate"]]
+    assert "vLLM side skipped: vllm is not importable" in (tmp_path / "rollout-tiny-quick.md").read_text()
+
+
 def test_time_to_accuracy_quick_evaluates_both_sides(tmp_path, cache_dir):
     res = run_bench("time-to-accuracy", tmp_path, cache_dir)
     for side in ("covrl", "trl"):

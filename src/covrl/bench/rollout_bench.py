@@ -8,8 +8,12 @@ Limits, per decode step of a batch of B rows (one new token per row):
 The roofline is the smaller of the two; `fraction` = measured / roofline. Weights read per step are all
 parameters except an untied input embedding (a decode step gathers only B of its rows).
 
-covrl's sampler and `generate` are timed alternately (order flipped every repeat) on the same prompts of the
-arithmetic task, with sampling at temperature 1; tokens are the generated tokens up to and including EOS.
+covrl's sampler, `generate` and (when vLLM is importable) covrl's vLLM sampler are timed alternately (the order
+rotates every repeat) on the same rows of the arithmetic task, with sampling at temperature 1; tokens are the
+generated tokens up to and including EOS. The vLLM side runs its engine in its own process by default, bound
+to `--threads` cores, so that every side computes on the same number of threads (an in-process CPU engine
+sets the process's torch thread count itself and makes `torch.set_num_threads` a no-op); without vLLM the
+side is skipped and the results say why.
 """
 
 from __future__ import annotations
@@ -17,16 +21,19 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from pathlib import Path
 
 from covrl.bench.common import source_state, write_bench
 from covrl.bench.models import DEFAULT_CACHE, load_model
 from covrl.bench.settings import StepSettings, build_bench_task, default_task_overrides
 from covrl.rollout import SamplerConfig, build_sampler
 
+DEFAULT_BATCH_SIZES = "1,4,16,64"
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--model", default="smollm2", choices=["tiny", "smollm2"])
-    parser.add_argument("--batch-sizes", default="1,4,16,64", help="comma-separated rollout batch sizes")
+    parser.add_argument("--batch-sizes", default=DEFAULT_BATCH_SIZES, help="comma-separated rollout batch sizes")
     parser.add_argument("--max-new-tokens", type=int, default=24)
     parser.add_argument("--group-size", type=int, default=8, help="rows per prompt (RL groups); batches smaller "
                         "than this use one row per prompt")
@@ -35,6 +42,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
     parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    parser.add_argument("--vllm", default="auto", choices=["auto", "off"], help="auto: add the vLLM sampler "
+                        "side when vllm is importable (skipped with a message otherwise)")
+    parser.add_argument("--vllm-engine", default="process", choices=["process", "in-process"],
+                        help="the vLLM engine in its own process (bound to --threads cores) or in this one")
     parser.add_argument("--quick", action="store_true", help="tiny model, small batches: seconds, for tests")
 
 
@@ -121,15 +132,34 @@ def _generate_covrl(sampler, prompts, n, seed):
     return dt, int(batch.response_mask.sum()), int(batch.response_ids.shape[1]), batch.timing.prefill_s
 
 
+def _vllm_sampler(args, model, tokenizer, max_batch: int, cache: str):
+    """covrl's vLLM sampler on the bench model's weights, or (None, why it was skipped)."""
+    import os
+
+    from covrl.rollout.vllm import VLLM_EXTRA_HINT, vllm_available
+
+    if args.vllm == "off":
+        return None, "skipped: --vllm off"
+    if not vllm_available():
+        return None, f"skipped: vllm is not importable ({VLLM_EXTRA_HINT})"
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
+    vcfg = {"engine_process": args.vllm_engine == "process",
+            "model_cache": str(Path(cache) / "vllm-models"),
+            "omp_threads_bind": ",".join(map(str, cores[:args.threads])) if args.vllm_engine == "process" else None}
+    cfg = SamplerConfig(backend="vllm", max_new_tokens=args.max_new_tokens, temperature=1.0, max_batch=max_batch,
+                        dtype=args.dtype, vllm=vcfg)
+    return build_sampler(cfg, model, tokenizer), None
+
+
 def run(args: argparse.Namespace) -> int:
     import os
-    from pathlib import Path
 
     import torch
 
-
     if args.quick:
-        args.model, args.batch_sizes, args.max_new_tokens, args.repeats = "tiny", "1,8", 8, 1
+        args.model, args.max_new_tokens, args.repeats = "tiny", 8, 1
+        if args.batch_sizes == DEFAULT_BATCH_SIZES:   # an explicit --batch-sizes is kept
+            args.batch_sizes = "1,8"
     torch.set_num_threads(args.threads)
     cache = args.cache_dir or DEFAULT_CACHE
     bandwidth = measure_bandwidth(64 if args.quick else 512)
@@ -142,9 +172,19 @@ def run(args: argparse.Namespace) -> int:
     _, prompts = build_bench_task(settings, tokenizer)
 
 
+    max_batch = max(int(b) for b in args.batch_sizes.split(","))
     sampler = build_sampler(SamplerConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
-                                          max_batch=max(int(b) for b in args.batch_sizes.split(","))),
-                            model, tokenizer)
+                                          max_batch=max_batch), model, tokenizer)
+    t0 = time.perf_counter()
+    vllm_sampler, vllm_skipped = _vllm_sampler(args, model, tokenizer, max_batch, str(cache))
+    vllm_info = {"skipped": vllm_skipped}
+    if vllm_sampler is None:
+        print(f"vLLM side {vllm_skipped}")
+    else:
+        vllm_info.update(engine=args.vllm_engine, start_s=time.perf_counter() - t0,
+                         omp_threads_bind=vllm_sampler.cfg.vllm.omp_threads_bind)
+    # an in-process CPU engine sets this process's thread count: record what the torch sides ran with
+    vllm_info["torch_threads_after_engine_start"] = torch.get_num_threads()
     rows = []
     for b in (int(x) for x in args.batch_sizes.split(",")):
         n = args.group_size if b >= args.group_size and b % args.group_size == 0 else 1
@@ -153,11 +193,13 @@ def run(args: argparse.Namespace) -> int:
         sides = {"covrl": lambda s, unique=unique, n=n: _generate_covrl(sampler, unique, n, s),
                  "generate": lambda s, rows_=batch_prompts: _generate_hf(model, tokenizer, rows_,
                                                                           args.max_new_tokens, s)}
+        if vllm_sampler is not None:
+            sides["vllm"] = lambda s, unique=unique, n=n: _generate_covrl(vllm_sampler, unique, n, s)
         for fn in sides.values():  # warm-up (allocator, first-call costs)
             fn(0)
         runs = {name: [] for name in sides}
         for rep in range(args.repeats):
-            order = list(sides) if rep % 2 == 0 else list(reversed(sides))
+            order = list(sides)[rep % len(sides):] + list(sides)[:rep % len(sides)]  # rotate the order
             for name in order:
                 dt, tokens, steps, prefill = sides[name](rep + 1)
                 runs[name].append({"seconds": dt, "tokens": tokens, "decode_steps": steps, "prefill_s": prefill,
@@ -178,6 +220,9 @@ def run(args: argparse.Namespace) -> int:
             # decode-step rate x B: the rate if every row were generating (padding after EOS included)
             row[f"{name}_fraction_of_roofline"] = steps_s * b / roofline
         row["covrl_over_generate"] = row["covrl_tok_s"] / row["generate_tok_s"]
+        if "vllm" in runs:
+            row["vllm_over_generate"] = row["vllm_tok_s"] / row["generate_tok_s"]
+            row["vllm_over_covrl"] = row["vllm_tok_s"] / row["covrl_tok_s"]
         # share of the sampler's time spent prefilling prompts; with n rows per prompt, (1 - 1/n) of it is
         # the same prompt computed again (what prefix sharing would save)
         row["covrl_prefill_share"] = (sum(r["prefill_s"] or 0.0 for r in runs["covrl"])
@@ -185,19 +230,38 @@ def run(args: argparse.Namespace) -> int:
         row["mean_load1"] = statistics.fmean(r["load1"] for rs in runs.values() for r in rs)
         rows.append(row)
 
+    if vllm_sampler is not None:
+        from covrl.rollout.vllm import shutdown_engines
+
+        shutdown_engines()
     results = {"source": source_state(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
                "max_new_tokens": args.max_new_tokens, "bandwidth_GB_s": bandwidth / 1e9,
-               "matmul_GFLOP_s": flops / 1e9, **costs, "rows": rows}
-    header = ("| B (rows/prompt) | covrl tok/s | generate tok/s | covrl/generate | bandwidth bound | compute bound "
-              "| covrl % of roofline | generate % of roofline | covrl prefill share | load |\n"
-              "|---|---|---|---|---|---|---|---|---|---|\n")
-    lines = [f"| {r['batch']} ({r['rows_per_prompt']}) | {r['covrl_tok_s']:.1f} | {r['generate_tok_s']:.1f} | "
-             f"{r['covrl_over_generate']:.2f} | {r['bandwidth_bound_tok_s']:.0f} | {r['compute_bound_tok_s']:.0f} | "
-             f"{100 * r['covrl_fraction_of_roofline']:.0f}% | {100 * r['generate_fraction_of_roofline']:.0f}% | "
-             f"{100 * r['covrl_prefill_share']:.0f}% | {r['mean_load1']:.1f} |" for r in rows]
+               "matmul_GFLOP_s": flops / 1e9, **costs, "vllm": vllm_info, "rows": rows}
+    with_vllm = vllm_sampler is not None
+    header = ("| B (rows/prompt) | covrl tok/s | generate tok/s | covrl/generate | "
+              + ("vllm tok/s | vllm/generate | vllm/covrl | " if with_vllm else "")
+              + "bandwidth bound | compute bound | covrl % of roofline | generate % of roofline | "
+              + ("vllm % of roofline | " if with_vllm else "") + "covrl prefill share | load |\n"
+              + "|---" * (14 if with_vllm else 10) + "|\n")
+
+    def line(r):
+        vllm_cols = (f"{r['vllm_tok_s']:.1f} | {r['vllm_over_generate']:.2f} | {r['vllm_over_covrl']:.2f} | "
+                     if with_vllm else "")
+        vllm_roof = f"{100 * r['vllm_fraction_of_roofline']:.0f}% | " if with_vllm else ""
+        return (f"| {r['batch']} ({r['rows_per_prompt']}) | {r['covrl_tok_s']:.1f} | {r['generate_tok_s']:.1f} | "
+                f"{r['covrl_over_generate']:.2f} | {vllm_cols}{r['bandwidth_bound_tok_s']:.0f} | "
+                f"{r['compute_bound_tok_s']:.0f} | {100 * r['covrl_fraction_of_roofline']:.0f}% | "
+                f"{100 * r['generate_fraction_of_roofline']:.0f}% | {vllm_roof}"
+                f"{100 * r['covrl_prefill_share']:.0f}% | {r['mean_load1']:.1f} |")
+
+    lines = [line(r) for r in rows]
+    vllm_note = (f"vLLM side {vllm_skipped}. " if not with_vllm else
+                 f"vLLM engine {args.vllm_engine} (bind {vllm_info['omp_threads_bind']}), started in "
+                 f"{vllm_info['start_s']:.1f} s; torch threads after its start: "
+                 f"{vllm_info['torch_threads_after_engine_start']}. ")
     note = (f"\nmodel {args.model} ({args.dtype}), {args.threads} thread(s), {args.max_new_tokens} new tokens; "
             f"bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s, "
-            f"weights read per step {costs['weight_bytes'] / 2**20:.0f} MiB. "
+            f"weights read per step {costs['weight_bytes'] / 2**20:.0f} MiB. {vllm_note}"
             "% of roofline uses decode steps x B (padding rows after EOS count as work).\n")
     write_bench(f"rollout-{args.model}" + ("" if args.dtype == "float32" else f"-{args.dtype}")
                 + ("-quick" if args.quick else ""), results, header + "\n".join(lines) + note,
