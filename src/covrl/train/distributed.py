@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from covrl.models.compiled import CompileBackend
 from covrl.settings import Section
 
 __all__ = ["Channel", "Parallel", "TrainerConfig", "carry_optimizer_state", "free_port", "full_model_state",
@@ -40,10 +41,25 @@ class TrainerConfig(Section):
                                 "1); under torchrun its --nproc-per-node x --nnodes (None: take it; a number must "
                                 "match)")
 
+    compile: bool = Field(
+        False, description="torch.compile (dynamic shapes) of the trainer's forward+backward; one process only "
+                           "(trainer.parallel=none); runs the per-row pass (prompts not shared); the first steps pay "
+                           "the compile, logged as time/compile_s (docs/performance.md)")
+    compile_backend: CompileBackend = Field(
+        "inductor", description="torch.compile backend with trainer.compile: inductor (kernels; needs a C++ "
+                                "compiler on CPU), aot_eager / eager (capture only, eager kernels: tests, debugging)")
+
     @field_validator("parallel", mode="before")
     @classmethod
     def _none_is_a_name(cls, v):
         return "none" if v is None else v   # YAML reads `parallel: none` as null
+
+    @model_validator(mode="after")
+    def _compile_alone(self):
+        if self.compile and self.parallel != "none":
+            raise ValueError(f"trainer.compile=true runs with trainer.parallel=none only (got "
+                             f"{self.parallel!r}): the DDP / FSDP2 wrappers are not compiled")
+        return self
 
 
 def init_process_group(cfg: TrainerConfig, device: str = "cpu") -> tuple[int, int]:
