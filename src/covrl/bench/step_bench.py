@@ -6,7 +6,12 @@
    Σπ²) the Trainer computes for OTB and the metrics. tokens/s counts response tokens (those with a gradient).
 2. Prompt sharing (`optim.share_prompts`): the rows of a group share their prompt, which the Trainer runs
    once per group; timed on vs off on the same batch, with the log-prob and gradient differences.
-3. Variants: a full `Trainer.step` on one synthetic scored batch for the plain loss (GRPO advantages +
+3. (`--compile also|only`) Eager vs `torch.compile`d forward+backward (`trainer.compile`, covrl.models.compiled):
+   on the grid, the eager pass with shared prompts (the default), the eager per-row pass and the compiled
+   per-row pass (what `trainer.compile` runs), alternating; the compile time of each cell in its own column
+   (0 where one dynamic-shape graph served a new shape) and the compiled-vs-eager log-prob and gradient
+   differences.
+4. Variants: a full `Trainer.step` on one synthetic scored batch for the plain loss (GRPO advantages +
    covariance loss, no correction) and for OTB and each correction / extra term switched on alone; reported
    as median step time and overhead over the plain step. All variants run round-robin on one Trainer (its
    config swapped between steps, lr 1e-9 so the weights do not drift), so load changes hit all alike.
@@ -60,6 +65,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
     parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
     parser.add_argument("--quick", action="store_true", help="tiny model, small grid, 1 repeat (tests)")
+    parser.add_argument("--compile", default="off", choices=["off", "also", "only"],
+                        help="eager vs torch.compile'd forward+backward on the grid: off, also (after the other "
+                             "sections), only (that comparison alone)")
+    parser.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                        help="torch.compile backend of --compile (trainer.compile_backend)")
 
 
 def synthetic_batch(model, vocab: int, rows: int, prompt_len: int, resp_len: int, group_size: int,
@@ -121,6 +131,73 @@ def _fwd_bwd(model, batch, with_stats: bool, share_prompts: bool = True) -> floa
     return time.perf_counter() - t0
 
 
+def compile_numerics(model, compiled, batch) -> dict[str, float]:
+    """Max |log-prob difference| and max |gradient difference| (and the relative L2 gradient difference) of the
+    compiled per-row forward+backward against the eager one, same batch and loss."""
+    import torch
+
+    mask = batch.response_mask
+    lps, grads = [], []
+    for module in (model, compiled):
+        model.zero_grad(set_to_none=True)
+        lp = forward_response(module, batch, 1.0, with_stats=False, share_prompts=False).logprobs
+        (lp * mask).sum().backward()
+        lps.append(lp.detach() * mask)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    model.zero_grad(set_to_none=True)
+    return {"logprob_max_diff": float((lps[0] - lps[1]).abs().max()),
+            "grad_max_diff": float((grads[0] - grads[1]).abs().max()),
+            "grad_rel_diff": float((grads[0] - grads[1]).norm() / grads[0].norm().clamp_min(1e-30))}
+
+
+def compile_grid(model, vocab: int, args) -> list[dict]:
+    """Section 3: per grid cell the first compiled call (compile time apart), the numerics, then eager shared /
+    eager per-row / compiled per-row forward+backward alternating (order flipped each repeat)."""
+    import os
+
+    from covrl.models.compiled import compile_module, compile_seconds
+
+    compiled = compile_module(model, args.compile_backend)
+    arms = {"eager": (model, True), "eager_rows": (model, False), "compiled": (compiled, False)}
+    out = []
+    for mb in (int(x) for x in args.micro_batches.split(",")):
+        for length in (int(x) for x in args.lengths.split(",")):
+            batch = synthetic_batch(model, vocab, mb, args.prompt_length, length, min(args.group_size, mb))
+            c0 = compile_seconds()
+            first_s = _fwd_bwd(compiled, batch, False, share_prompts=False)
+            compile_s = compile_seconds() - c0
+            numerics = compile_numerics(model, compiled, batch)
+            _fwd_bwd(model, batch, False)  # eager warm-up
+            times: dict[str, list[float]] = {k: [] for k in arms}
+            loads = []
+            for rep in range(args.repeats):
+                for arm in (list(arms) if rep % 2 == 0 else list(reversed(arms))):
+                    module, share = arms[arm]
+                    times[arm].append(_fwd_bwd(module, batch, False, share_prompts=share))
+                loads.append(os.getloadavg()[0])
+            med = {k: statistics.median(v) for k, v in times.items()}
+            out.append({"micro_batch": mb, "response_length": length, "prompt_length": args.prompt_length,
+                        "compile_s": compile_s, "first_call_s": first_s, **{f"{k}_s": v for k, v in med.items()},
+                        "compiled_vs_eager_rows": med["eager_rows"] / med["compiled"],
+                        "compiled_vs_eager": med["eager"] / med["compiled"], **numerics,
+                        "load1": statistics.fmean(loads), "runs": times})
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def compile_table(rows: list[dict], backend: str) -> str:
+    t = [f"Eager vs torch.compile ({backend}, dynamic shapes) forward+backward; speed-up = eager s / compiled s "
+         "(> 1: compiled faster); compile s = compile time of the cell's first call (0: no re-compile):",
+         "", "| micro-batch | response len | compile s | eager shared s | eager per-row s | compiled per-row s | "
+         "speed-up vs per-row | speed-up vs shared | max abs dlogp | max abs dgrad | grad rel. diff | load |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    t += [f"| {r['micro_batch']} | {r['response_length']} | {r['compile_s']:.1f} | {r['eager_s']:.3f} | "
+          f"{r['eager_rows_s']:.3f} | {r['compiled_s']:.3f} | {r['compiled_vs_eager_rows']:.2f}x | "
+          f"{r['compiled_vs_eager']:.2f}x | {r['logprob_max_diff']:.1e} | {r['grad_max_diff']:.1e} | "
+          f"{r['grad_rel_diff']:.1e} | {r['load1']:.1f} |" for r in rows]
+    return "\n".join(t) + "\n"
+
+
 def run(args: argparse.Namespace) -> int:
     import os
     from pathlib import Path
@@ -135,6 +212,15 @@ def run(args: argparse.Namespace) -> int:
     model, tokenizer = load_model(args.model, args.cache_dir or DEFAULT_CACHE)
     model.train()
     vocab = model.config.vocab_size
+    if args.compile == "only":
+        rows = compile_grid(model, vocab, args)
+        results = {"source": source_state(), "model": args.model, "threads": args.threads,
+                   "compile_backend": args.compile_backend, "compile": rows}
+        note = (f"\nmodel {args.model}, {args.threads} thread(s), prompt {args.prompt_length} tokens, groups of "
+                f"{args.group_size}, {args.repeats} alternating repeats (median).\n")
+        write_bench(f"step-compile-{args.model}" + ("-quick" if args.quick else ""), results,
+                    compile_table(rows, args.compile_backend) + note, Path(args.out))
+        return 0
 
     # 1. forward+backward grid, with/without the per-token statistics, alternating
     grid = []
@@ -211,7 +297,9 @@ def run(args: argparse.Namespace) -> int:
         variants.append({"variant": name, "step_s": med, "forward_backward_s": fb, "optimizer_s": opt,
                          "other_s": med - fb - opt, "overhead_vs_plain": med / plain_s - 1.0, "runs": rs})
 
+    compile_rows = compile_grid(model, vocab, args) if args.compile == "also" else None
     results = {"source": source_state(), "model": args.model, "threads": args.threads, "grid": grid, "variants": variants,
+               "compile": compile_rows,
                "prompt_sharing": prefix,
                "variant_batch": {"rows": args.rows, "prompt_length": args.prompt_length,
                                  "response_length": args.response_length, "micro_batch": args.micro_batch,
@@ -231,5 +319,7 @@ def run(args: argparse.Namespace) -> int:
             f"prompt + {args.response_length} response) tokens, micro-batch {args.micro_batch}, "
             f"{args.repeats} round-robin repeats (median).\n")
     write_bench(f"step-{args.model}" + ("-quick" if args.quick else ""), results,
-                "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n\n" + t3 + note, Path(args.out))
+                "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n\n" + t3
+                + ("" if compile_rows is None else "\n" + compile_table(compile_rows, args.compile_backend)) + note,
+                Path(args.out))
     return 0
