@@ -68,6 +68,16 @@ def test_step_quick_times_autocast_modes_side_by_side(tmp_path, cache_dir):
     assert [v["variant"] for v in res["variants"]] == ["plain (grpo + covariance)", "plain (grpo + covariance) [bf16]"]
 
 
+@pytest.mark.slow
+def test_step_quick_compile_compares_eager_and_compiled(tmp_path, cache_dir):
+    # aot_eager: the capture and AOTAutograd's joint graph without inductor's code generation (the inductor
+    # numerics are tests/train/test_compile.py's slow test)
+    res = run_bench("step", tmp_path, cache_dir, "--compile", "only", "--compile-backend", "aot_eager")
+    (row,) = res["compile"]
+    assert row["compile_s"] > 0 and row["compiled_s"] > 0 and row["eager_s"] > 0 and row["eager_rows_s"] > 0
+    assert row["logprob_max_diff"] < 1e-4 and row["grad_rel_diff"] < 1e-4
+
+
 def test_rollout_quick_reports_bounds(tmp_path, cache_dir):
     res = run_bench("rollout", tmp_path, cache_dir)
     assert res["bandwidth_GB_s"] > 0 and res["weight_bytes"] > 0

@@ -6,7 +6,12 @@
    Σπ²) the Trainer computes for OTB and the metrics. tokens/s counts response tokens (those with a gradient).
 2. Prompt sharing (`optim.share_prompts`): the rows of a group share their prompt, which the Trainer runs
    once per group; timed on vs off on the same batch, with the log-prob and gradient differences.
-3. Variants: a full `Trainer.step` on one synthetic scored batch for the plain loss (GRPO advantages +
+3. (`--compile also|only`) Eager vs `torch.compile`d forward+backward (`trainer.compile`, covrl.models.compiled):
+   on the grid, the eager pass with shared prompts (the default), the eager per-row pass and the compiled
+   per-row pass (what `trainer.compile` runs), alternating; the compile time of each cell in its own column
+   (0 where one dynamic-shape graph served a new shape) and the compiled-vs-eager log-prob and gradient
+   differences.
+4. Variants: a full `Trainer.step` on one synthetic scored batch for the plain loss (GRPO advantages +
    covariance loss, no correction) and for OTB and each correction / extra term switched on alone; reported
    as median step time and overhead over the plain step. All variants run round-robin on one Trainer (its
    config swapped between steps, lr 1e-9 so the weights do not drift), so load changes hit all alike.
@@ -79,6 +84,11 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
     parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
     parser.add_argument("--quick", action="store_true", help="tiny model, small grid, 1 repeat (tests)")
+    parser.add_argument("--compile", default="off", choices=["off", "also", "only"],
+                        help="eager vs torch.compile'd forward+backward on the grid: off, also (after the other "
+                             "sections), only (that comparison alone)")
+    parser.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                        help="torch.compile backend of --compile (trainer.compile_backend)")
 
 
 def synthetic_batch(model, vocab: int, rows: int, prompt_len: int, resp_len: int, group_size: int,
@@ -192,6 +202,73 @@ class BusyLoad:
         return False
 
 
+def compile_numerics(model, compiled, batch) -> dict[str, float]:
+    """Max |log-prob difference| and max |gradient difference| (and the relative L2 gradient difference) of the
+    compiled per-row forward+backward against the eager one, same batch and loss."""
+    import torch
+
+    mask = batch.response_mask
+    lps, grads = [], []
+    for module in (model, compiled):
+        model.zero_grad(set_to_none=True)
+        lp = forward_response(module, batch, 1.0, with_stats=False, share_prompts=False).logprobs
+        (lp * mask).sum().backward()
+        lps.append(lp.detach() * mask)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    model.zero_grad(set_to_none=True)
+    return {"logprob_max_diff": float((lps[0] - lps[1]).abs().max()),
+            "grad_max_diff": float((grads[0] - grads[1]).abs().max()),
+            "grad_rel_diff": float((grads[0] - grads[1]).norm() / grads[0].norm().clamp_min(1e-30))}
+
+
+def compile_grid(model, vocab: int, args) -> list[dict]:
+    """Section 3: per grid cell the first compiled call (compile time apart), the numerics, then eager shared /
+    eager per-row / compiled per-row forward+backward alternating (order flipped each repeat)."""
+    import os
+
+    from covrl.models.compiled import compile_module, compile_seconds
+
+    compiled = compile_module(model, args.compile_backend)
+    arms = {"eager": (model, True), "eager_rows": (model, False), "compiled": (compiled, False)}
+    out = []
+    for mb in (int(x) for x in args.micro_batches.split(",")):
+        for length in (int(x) for x in args.lengths.split(",")):
+            batch = synthetic_batch(model, vocab, mb, args.prompt_length, length, min(args.group_size, mb))
+            c0 = compile_seconds()
+            first_s = _fwd_bwd(compiled, batch, False, share_prompts=False)
+            compile_s = compile_seconds() - c0
+            numerics = compile_numerics(model, compiled, batch)
+            _fwd_bwd(model, batch, False)  # eager warm-up
+            times: dict[str, list[float]] = {k: [] for k in arms}
+            loads = []
+            for rep in range(args.repeats):
+                for arm in (list(arms) if rep % 2 == 0 else list(reversed(arms))):
+                    module, share = arms[arm]
+                    times[arm].append(_fwd_bwd(module, batch, False, share_prompts=share))
+                loads.append(os.getloadavg()[0])
+            med = {k: statistics.median(v) for k, v in times.items()}
+            out.append({"micro_batch": mb, "response_length": length, "prompt_length": args.prompt_length,
+                        "compile_s": compile_s, "first_call_s": first_s, **{f"{k}_s": v for k, v in med.items()},
+                        "compiled_vs_eager_rows": med["eager_rows"] / med["compiled"],
+                        "compiled_vs_eager": med["eager"] / med["compiled"], **numerics,
+                        "load1": statistics.fmean(loads), "runs": times})
+    model.zero_grad(set_to_none=True)
+    return out
+
+
+def compile_table(rows: list[dict], backend: str) -> str:
+    t = [f"Eager vs torch.compile ({backend}, dynamic shapes) forward+backward; speed-up = eager s / compiled s "
+         "(> 1: compiled faster); compile s = compile time of the cell's first call (0: no re-compile):",
+         "", "| micro-batch | response len | compile s | eager shared s | eager per-row s | compiled per-row s | "
+         "speed-up vs per-row | speed-up vs shared | max abs dlogp | max abs dgrad | grad rel. diff | load |",
+         "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    t += [f"| {r['micro_batch']} | {r['response_length']} | {r['compile_s']:.1f} | {r['eager_s']:.3f} | "
+          f"{r['eager_rows_s']:.3f} | {r['compiled_s']:.3f} | {r['compiled_vs_eager_rows']:.2f}x | "
+          f"{r['compiled_vs_eager']:.2f}x | {r['logprob_max_diff']:.1e} | {r['grad_max_diff']:.1e} | "
+          f"{r['grad_rel_diff']:.1e} | {r['load1']:.1f} |" for r in rows]
+    return "\n".join(t) + "\n"
+
+
 def run(args: argparse.Namespace) -> int:
     import os
 
@@ -232,6 +309,15 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
     model, tokenizer = load_model(args.model, args.cache_dir or DEFAULT_CACHE)
     model.train()
     vocab = model.config.vocab_size
+    if args.compile == "only":
+        rows = compile_grid(model, vocab, args)
+        results = {"source": source_state(), "model": args.model, "threads": count[arms[0]],
+                   "compile_backend": args.compile_backend, "compile": rows}
+        note = (f"\nmodel {args.model}, {count[arms[0]]} thread(s), prompt {args.prompt_length} tokens, groups of "
+                f"{args.group_size}, {args.repeats} alternating repeats (median).\n")
+        write_bench(f"step-compile-{args.model}" + ("-quick" if args.quick else ""), results,
+                    compile_table(rows, args.compile_backend) + note, Path(args.out))
+        return 0
 
     # 1. forward+backward grid, with/without the per-token statistics, alternating over the thread counts and
     #    the autocast modes
@@ -338,6 +424,8 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                              "forward_backward_s": fb, "optimizer_s": opt, "other_s": med - fb - opt,
                              "overhead_vs_plain": med / plain_s - 1.0, "runs": rs})
 
+    use(arms[0])
+    compile_rows = compile_grid(model, vocab, args) if args.compile == "also" else None
     # the thread counts side by side: each grid cell's fwd+bwd and the first variant's step, relative to arm 1
     comparison = []
     for arm in arms:
@@ -351,7 +439,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                            "step_s": step["step_s"], "step_vs_first": step["step_s"] / ref_step["step_s"]})
 
     results = {"source": source_state(), "model": args.model, "threads": [count[a] for a in arms],
-               "autocast": modes, "cpu_bf16": cpu_bf16_support(),
+               "autocast": modes, "cpu_bf16": cpu_bf16_support(), "compile": compile_rows,
                "threads_arms": arms, "load_processes": args.load, "load1_at_start": load_start,
                "load1_at_end": os.getloadavg()[0], "threads_comparison": comparison, "grid": grid,
                "variants": variants, "prompt_sharing": prefix,
@@ -393,7 +481,9 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
             f"repeats (median).\n")
     tag = "" if modes == ["none"] else "-autocast-" + "-".join(modes)
     write_bench(f"step-{args.model}{tag}" + ("-quick" if args.quick else ""), results,
-                "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n\n" + t3 + t4 + note, Path(args.out))
+                "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n\n" + t3 + t4
+                + ("" if compile_rows is None else "\n" + compile_table(compile_rows, args.compile_backend)) + note,
+                Path(args.out))
     return 0
 
 

@@ -19,8 +19,9 @@ from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
+from covrl.models.compiled import CompileBackend
 from covrl.models.precision import AUTOCAST_MODES
 from covrl.settings import Section
 
@@ -48,6 +49,14 @@ class TrainerConfig(Section):
                             "(the same with the LM head in fp32: logits not rounded to bf16). Also the KL "
                             "reference's forward; not the sampler, eval or SFT warm-up; docs/performance.md")
 
+    compile: bool = Field(
+        False, description="torch.compile (dynamic shapes) of the trainer's forward+backward; one process only "
+                           "(trainer.parallel=none); runs the per-row pass (prompts not shared); the first steps pay "
+                           "the compile, logged as time/compile_s (docs/performance.md)")
+    compile_backend: CompileBackend = Field(
+        "inductor", description="torch.compile backend with trainer.compile: inductor (kernels; needs a C++ "
+                                "compiler on CPU), aot_eager / eager (capture only, eager kernels: tests, debugging)")
+
     @field_validator("parallel", "autocast", mode="before")
     @classmethod
     def _none_is_a_name(cls, v):
@@ -59,6 +68,13 @@ class TrainerConfig(Section):
         if v not in AUTOCAST_MODES:
             raise ValueError(f"unknown autocast mode {v!r}; allowed: {', '.join(sorted(AUTOCAST_MODES))}")
         return v
+
+    @model_validator(mode="after")
+    def _compile_alone(self):
+        if self.compile and self.parallel != "none":
+            raise ValueError(f"trainer.compile=true runs with trainer.parallel=none only (got "
+                             f"{self.parallel!r}): the DDP / FSDP2 wrappers are not compiled")
+        return self
 
 
 def init_process_group(cfg: TrainerConfig, device: str = "cpu") -> tuple[int, int]:

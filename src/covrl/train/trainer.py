@@ -48,6 +48,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from covrl.diagnostics.noise import LOSS_UNITS, GradientNoiseMonitor
 from covrl.diagnostics.tangent import tangent_remainder
 from covrl.math import kl_estimate
+from covrl.models.compiled import compile_module, compile_seconds
 from covrl.models.forward import ResponseForward
 from covrl.models.forward import forward_response as forward_response_tokens
 from covrl.models.precision import check_autocast
@@ -184,6 +185,7 @@ class Trainer:
         self.optimizer_steps = 0
         self.bad_steps = 0
         self.last_skip_reason: str | None = None
+        self._compiled: tuple[str, torch.nn.Module] | None = None   # (backend, torch.compile wrapper of the model)
 
     @property
     def cfg(self) -> TrainConfig:
@@ -277,8 +279,12 @@ class Trainer:
         micro = _MicroNorms(self.params, alg.agg_mode) if self.noise is not None else None
         fmodel = self.model if par is None else par.module
         share_prompts = self.cfg.optim.share_prompts and (par is None or par.mode != "fsdp2")  # fsdp2: 1 fwd each
+        compiling = cfg.trainer.compile
+        if compiling:   # the shared-prompt pass re-compiles at every shape: the per-row pass, one graph
+            fmodel, share_prompts = self._compiled_model(), False
         bad: str | None = None
         t_fb = time.perf_counter()
+        compile_before = compile_seconds() if compiling else 0.0
         for k, index in enumerate(plan):
             # idle: a rank with fewer micro-batches than the others backwards a zero loss on row 0, so that
             # DDP / FSDP2 see the same sequence of (synced) backward passes on every rank
@@ -337,6 +343,8 @@ class Trainer:
                 self.optimizer.zero_grad(set_to_none=True)
                 return self._skip(metrics, bad, t_start)
         t_opt = time.perf_counter()
+        if compiling:   # included in time/forward_backward; reported apart so that later steps read honestly
+            metrics["time/compile_s"] = compile_seconds() - compile_before
         max_norm = cfg.optim.max_grad_norm if cfg.optim.max_grad_norm is not None else math.inf
         grad_norm = _clip_grad_norm(self.params, max_norm)
         if not math.isfinite(grad_norm):
@@ -382,6 +390,14 @@ class Trainer:
                 f"last reason: {reason}. Lower optim.lr, enable optim.max_grad_norm or check the rewards.",
                 metrics)
         return metrics
+
+    def _compiled_model(self) -> torch.nn.Module:
+        """The torch.compile wrapper of the model (trainer.compile), made once per backend; it shares the
+        model's parameters, so the optimizer, checkpoints and the sampler see the same tensors."""
+        backend = self.cfg.trainer.compile_backend
+        if self._compiled is None or self._compiled[0] != backend:
+            self._compiled = (backend, compile_module(self.model, backend))
+        return self._compiled[1]
 
     def _distribute(self) -> None:
         """Wrap the model for trainer.parallel (every rank at its first step; rank 0's weights win)."""
