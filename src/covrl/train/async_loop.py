@@ -52,7 +52,7 @@ def _async_checkpoint_state(state: AsyncState, pool: SamplerPool) -> dict[str, A
         running = [c for c in mgr_state["chunks"] if not c["done"]]
         rng = running[0]["meta"].get("rng_before") if running else None
         if rng is None:
-            rng = state.run.generator.get_state()
+            rng = pool.next_rng_state()
         for c in mgr_state["chunks"]:
             if c["payload"] is not None:
                 c["payload"] = batch_to_state(c["payload"])

@@ -184,6 +184,9 @@ class SamplerPool(Protocol):
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None: ...
 
+    def next_rng_state(self) -> torch.Tensor:
+        """The generator state the next chunk would start from (when no chunk is generating)."""
+
 
 class _LocalWorkerMixin:
     """Generation of one chunk by the run's own sampler (serial and thread pools)."""
@@ -197,6 +200,9 @@ class _LocalWorkerMixin:
 
     def state_dict(self) -> dict[str, Any] | None:
         return None      # the run's own generator is checkpointed with the queue
+
+    def next_rng_state(self) -> torch.Tensor:
+        return self.state.run.generator.get_state()
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         pass

@@ -153,6 +153,11 @@ class DispatchPool:
     def state_dict(self) -> dict[str, Any]:
         return {"worker_rng": list(self.worker_rng), "rng_epoch": list(self.rng_epoch)}
 
+    def next_rng_state(self) -> torch.Tensor:
+        # the workers, not the run's generator, hold the streams; a local pool resumed from this checkpoint
+        # continues rank 0's (seeded like the local loops' generator), not the run generator's untouched state
+        return self.worker_rng[0]
+
     def sync_probe(self, model) -> None:
         pass   # workers get the weights with every probe chunk
 
