@@ -14,7 +14,8 @@ class Clock:
 
     `after_step(seconds)` adds a step's time; when `eval_interval_s` of training time has passed since the
     last evaluation it evaluates greedy accuracy (covrl's evaluator and grader, on both sides) and returns the
-    extra record fields, including `finished` (target reached, budget spent, or the last planned step)."""
+    extra record fields, including `finished` (target reached unless `stop_at_target` is off, budget spent, or
+    the last planned step)."""
 
     def __init__(self, settings: StepSettings, evaluate_fn, total_steps: int):
         self.settings, self.evaluate_fn, self.total_steps = settings, evaluate_fn, total_steps
@@ -39,7 +40,8 @@ class Clock:
             self.last_eval_s = self.train_s
             if out["accuracy"] >= s.target_accuracy and self.reached_at is None:
                 self.reached_at = self.train_s
-        out["finished"] = bool(self.reached_at is not None or (s.budget_s and self.train_s >= s.budget_s)
+        out["finished"] = bool((s.stop_at_target and self.reached_at is not None)
+                               or (s.budget_s and self.train_s >= s.budget_s)
                                or self.steps >= self.total_steps)
         return out
 

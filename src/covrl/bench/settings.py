@@ -36,6 +36,7 @@ class StepSettings:
     eval_prompts: int = 50
     target_accuracy: float = 0.9
     budget_s: float = 0.0
+    stop_at_target: bool = True  # False: train on to the budget after reaching the target (the suite's equal time)
     covrl_config: str | None = None  # YAML config for the covrl side (None: the GRPO step of these settings)
 
     @property
