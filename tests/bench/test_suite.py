@@ -12,7 +12,7 @@ import statistics
 import pytest
 
 from covrl.bench import BENCHES, suite
-from covrl.bench.suite_tasks import DEFAULT_TASKS, LARGER_JSONL, SUITE_TASKS, larger_records
+from covrl.bench.suite_tasks import DEFAULT_TASKS, LARGER_JSONL, larger_records
 from covrl.repro.presets import load_preset
 from covrl.tasks import build_task
 from covrl.tasks.base import Example
