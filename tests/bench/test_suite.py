@@ -36,6 +36,8 @@ def test_registered_and_default_suite_excludes_one_digit_addition():
                 assert getattr(cfg, section) == getattr(default, section), (name, section)
         assert cfg.run.model_copy(update={"seed": 0}) == default.run and cfg.run.seed == 3
         assert cfg.task != default.task, name
+        a = cfg.task.arithmetic
+        assert not (cfg.task.name == "arithmetic" and a.ops == ["+"] and a.digits == 1), name
         task = build_task(cfg.task)
         assert len(task.eval) == 50 and not {e.prompt for e in task.eval} & {e.prompt for e in task.train}
 
@@ -101,6 +103,9 @@ def test_suite_writes_one_json_per_run_resumes_and_summarises_them(tmp_path, mon
     (out / "larger-seed2-covrl.json").unlink()
     assert suite.run(parse(*argv)) == 0
     assert calls == [("jsonl", 2, ("covrl",))]
+    calls.clear()   # stored runs made with other settings are not mixed into one table
+    assert suite.run(parse(*argv, "--target", "0.8")) == 2
+    assert calls == []
 
     # the summary's numbers from the JSONs
     summary = json.loads((out / "suite-summary.json").read_text())

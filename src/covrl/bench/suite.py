@@ -65,6 +65,14 @@ def task_config(task: str, seed: int, quick: bool, cache: str):
     return load_preset("default", overrides)
 
 
+def run_key(args: argparse.Namespace, task: str) -> dict:
+    """What makes a stored run comparable with this invocation's: a resumed suite with other settings would mix
+    incomparable runs in one table, so it is refused instead."""
+    keys = ("quick", "target", "budget_s", "eval_interval_s", "stop_at_target", "eval_prompts", "max_new_tokens",
+            "threads", "trl_prompts", "trl_group_size", "trl_lr")
+    return {"task_overrides": SUITE_TASKS[task].overrides, **{k: getattr(args, k) for k in keys}}
+
+
 def _write_json(path: Path, payload: dict) -> None:
     tmp = path.with_name(path.name + ".tmp")   # renamed when complete: a killed write is not skipped later
     tmp.write_text(json.dumps(payload, indent=2, default=str))
@@ -85,7 +93,7 @@ def run_pair(args: argparse.Namespace, task: str, seed: int, sides: list[str], o
                              progress=lambda text: print(f"[{task} seed {seed}] {text}", file=sys.stderr, flush=True))
     paths = []
     for side in sides:
-        payload = {"name": "suite", "task": task, "seed": seed, "side": side,
+        payload = {"name": "suite", "task": task, "seed": seed, "side": side, "run_key": run_key(args, task),
                    "task_overrides": SUITE_TASKS[task].overrides, "quick": args.quick,
                    "target": args.target, "budget_s": args.budget_s, "eval_interval_s": args.eval_interval_s,
                    "stop_at_target": args.stop_at_target, "settings": vars(per_side[side]),
@@ -194,6 +202,14 @@ def run(args: argparse.Namespace) -> int:
         return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    for task in tasks:   # every stored run must have been made with these settings (before any new run)
+        for path in (result_path(out, task, seed, side) for seed in seeds for side in sides):
+            stored = json.loads(path.read_text())["run_key"] if path.exists() else run_key(args, task)
+            if stored != (key := run_key(args, task)):
+                diff = {k: (stored.get(k), v) for k, v in key.items() if stored.get(k) != v}
+                print(f"{path} was made with other settings {diff} (stored, now); use another --out",
+                      file=sys.stderr)
+                return 2
     for task in tasks:
         for seed in seeds:
             missing = [s for s in sides if not result_path(out, task, seed, s).exists()]
