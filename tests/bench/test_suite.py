@@ -126,8 +126,8 @@ def test_suite_writes_one_json_per_run_resumes_and_summarises_them(tmp_path, mon
         assert summary[task]["final_ratio"] == pytest.approx(0.95 / 0.7)
         assert summary[task]["covrl_final_ge_trl"] is True
     table = (out / "suite.md").read_text()
-    assert "| trl | 0,1,2 | 30% | 60% / 70% / 80% | 1/3 | > 0 |" in table
-    assert "| covrl | 0,1,2 | 30% | 95% / 95% / 95% | 3/3 | 40 |" in table
+    assert "| trl | 0,1,2 | 30% | 60% / 70% / 80% | 1/3 | > 0 | 120 |" in table
+    assert "| covrl | 0,1,2 | 30% | 95% / 95% / 95% | 3/3 | 40 | 120 |" in table
     assert "**< 0.33**" in table and "**1.36**" in table
 
 

@@ -167,13 +167,13 @@ def summary_table(payloads: list[dict], target: float, budget_s: float) -> tuple
         s = summaries[task] = task_summary([p for p in payloads if p["task"] == task])
         lines += [f"### {task}", "", SUITE_TASKS[task].description if task in SUITE_TASKS else "", "",
                   f"| side | seeds | accuracy before | final min / median / max | reached {target:.0%} | "
-                  f"median time to {target:.0%} s |", "|---|---|---|---|---|---|"]
+                  f"median time to {target:.0%} s | longest training s |", "|---|---|---|---|---|---|---|"]
         for side, v in s["sides"].items():
             when = (f"{v['median_time_to_target_s']:.0f}" if v["median_time_to_target_s"] is not None
                     else f"> {budget_s:g}")
             lines.append(f"| {side} | {','.join(map(str, v['seeds']))} | {_pct(v['accuracy_before'])} | "
                          f"{_pct(v['final_min'])} / {_pct(v['final_median'])} / {_pct(v['final_max'])} | "
-                         f"{v['reached']}/{v['runs']} | {when} |")
+                         f"{v['reached']}/{v['runs']} | {when} | {v['train_clock_s']:.0f} |")
         if "time_ratio" in s:
             ratio = (f"{s['time_ratio']:.2f}" if s["time_ratio"] is not None else
                      f"< {s['time_ratio_upper_bound']:.2f}" if s["time_ratio_upper_bound"] is not None else "n/a")
@@ -217,12 +217,12 @@ def run(args: argparse.Namespace) -> int:
                 print(f"[{task} seed {seed}] done already, skipped", file=sys.stderr, flush=True)
                 continue
             run_pair(args, task, seed, missing, out)
-            write_summary(out, tasks, seeds, sides, args)
+            write_summary(out, tasks, seeds, sides, args, echo=False)
     write_summary(out, tasks, seeds, sides, args)
     return 0
 
 
-def write_summary(out: Path, tasks: list[str], seeds: list[int], sides: list[str], args) -> Path:
+def write_summary(out: Path, tasks: list[str], seeds: list[int], sides: list[str], args, echo: bool = True) -> Path:
     payloads = load_payloads(out, tasks, seeds, sides)
     summaries, table = summary_table(payloads, args.target, args.budget_s)
     head = (f"# bench suite{' (quick)' if args.quick else ''}\n\nTarget {args.target:.0%} greedy accuracy on "
@@ -232,6 +232,7 @@ def write_summary(out: Path, tasks: list[str], seeds: list[int], sides: list[str
             f"the task. {len(payloads)} runs present.\n\n")
     (out / "suite.md").write_text(head + table)
     (out / "suite-summary.json").write_text(json.dumps(summaries, indent=2))
-    print(table)
+    if echo:
+        print(table)
     return out / "suite.md"
 
