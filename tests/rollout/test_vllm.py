@@ -268,6 +268,15 @@ def test_lora_adapter_sync_refuses_a_model_without_adapters(tiny, cache):
         vllm_sampler(model, tok, cache, vllm={"lora_sync": "adapter"})
 
 
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU build's attention head sizes")
+def test_refuses_a_head_size_the_cpu_attention_lacks(cache):
+    """configs/tiny.yaml's shape (64 / 4 heads = head size 16) has no vLLM CPU attention kernel; the engine
+    would start and then fail at its first forward, so the sampler refuses first, naming the field to change."""
+    model, tok = load_model(ModelConfig(source="tiny", tiny={**SHAPE, "num_heads": 4}), seed=3)
+    with pytest.raises(ValueError, match=r"head size is 16 .*model\.tiny\.num_heads"):
+        vllm_sampler(model, tok, cache)
+
+
 # ------------------------------------------------------------------------------------------------ runs
 
 def run_cfg(tmp_path, cache, **over):
@@ -397,3 +406,50 @@ def test_process_pool_with_one_vllm_engine_per_worker(tmp_path, cache, num_sampl
     assert summary["async"]["floor_kl_seq"] < 1e-6
     assert records[0]["async/staleness_max"] == 0 and records[0]["mismatch/k3"] < 1e-8
     assert all(r["async/staleness_max"] <= 1 for r in records)
+
+
+# ------------------------------------------------------------------------------------------------ Ray
+
+def _has_ray() -> bool:
+    import importlib.util
+
+    return importlib.util.find_spec("ray") is not None
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not _has_ray(), reason="ray is not importable in this venv (scripts/setup_vllm_env.sh "
+                    "installs covrl[dev,ray])")
+def test_ray_sampler_actor_with_vllm_equals_sync(sync_run):
+    """`loop.mode=ray` with a vLLM sampler: one Ray sampler actor owns an in-process engine (the driver's
+    engine evaluates). At staleness 0 the run is the sync run record for record (same seeds and engine build:
+    the same tokens and log-probs to the last bit), and the actor's engine holds exactly the weights it was sent
+    (floor probe on every chunk)."""
+    import sys
+    from pathlib import Path
+
+    import ray
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
+    import train_helpers
+
+    from covrl.train.ray_backend import train_ray
+
+    cfg, sync_records, sync_summary = sync_run
+    cfg = cfg.model_copy(update={"loop": cfg.loop.model_copy(update={"mode": "ray"}),
+                                 "async_loop": cfg.async_loop.model_copy(update={
+                                     "max_staleness_steps": 0, "trainer_actor": False, "sampler_cpus": 1.0,
+                                     "floor_probe_every": 1})})
+    with train_helpers.local_ray(Path(cfg.run.output_dir)):   # num_cpus=2, no dashboard, shut down after
+        run = prepare_async_run(named(cfg, "ray0"), console=False)
+        try:
+            summary = train_ray(run)   # starts one sampler actor and kills it at the end
+        finally:
+            run.close()
+    assert not ray.is_initialized()
+    records = read_jsonl(run.run_dir / "metrics.jsonl")
+    assert summary["status"] == "completed" and summary["async"]["pool"] == "RayPool"
+    assert summary["async"]["num_samplers"] == 1 and summary["async"]["floor_probes"] >= cfg.loop.steps
+    assert summary["async"]["floor_kl_seq"] < 1e-6
+    assert all(r["async/staleness_max"] == 0 for r in records)
+    assert comparable(records) == comparable(sync_records)
+    assert summary["eval_after"] == sync_summary["eval_after"]

@@ -31,11 +31,12 @@ def _entry(side: str, conn, settings: StepSettings) -> None:
 
 
 def run_alternating(settings: StepSettings | dict[str, StepSettings], sides: tuple[str, ...] = ("covrl", "trl"),
-                    timeout_s: float = 3600.0, progress=None) -> dict[str, Any]:
+                    timeout_s: float = 3600.0, progress=None, tolerate: tuple[str, ...] = ()) -> dict[str, Any]:
     """Start one worker per side (`settings` shared, or one per side), then step them alternately (order
     flipped every round) until each reports `finished`. Returns each side's ready message, step records
     (warm-up steps dropped), summaries and the load average seen each round. `progress(text)`, when given,
-    receives one line per step."""
+    receives one line per step. A side in `tolerate` whose worker fails (while starting or in a step) leaves the
+    run: its error goes to `failed[side]` and the other sides go on; any other side's failure raises."""
     per_side = settings if isinstance(settings, dict) else {side: settings for side in sides}
     for s in per_side.values():  # write the model folders once, before the workers race for them
         model_dir(s.model, s.cache_dir)
@@ -49,14 +50,30 @@ def run_alternating(settings: StepSettings | dict[str, StepSettings], sides: tup
     records: dict[str, list[dict]] = {side: [] for side in sides}
     all_records: dict[str, list[dict]] = {side: [] for side in sides}
     loads = []
+    failed: dict[str, str] = {}
+
+    def recv(side: str) -> dict | None:
+        try:
+            return _recv(conns[side], side, timeout_s, procs[side])
+        except RuntimeError as err:   # the worker reported an error or died
+            if side not in tolerate:
+                raise
+            failed[side] = " ".join(getattr(err, "reason", str(err)).split())   # one line for the table
+            if progress is not None:
+                progress(failed[side])
+            return None
+
     try:
-        ready = {side: _recv(conns[side], side, timeout_s, procs[side]) for side in sides}
-        active = list(sides)
+        ready = {side: recv(side) for side in sides}
+        active = [side for side in sides if side not in failed]
         step = 0
         while active:
-            for side in (active if step % 2 == 0 else list(reversed(active))):
+            for side in (list(active) if step % 2 == 0 else list(reversed(active))):   # sides may leave
                 conns[side].send("go")
-                rec = _recv(conns[side], side, timeout_s, procs[side])
+                rec = recv(side)
+                if rec is None:
+                    active.remove(side)
+                    continue
                 rec["load1"] = load1()
                 rec["step"] = step
                 all_records[side].append(rec)
@@ -76,8 +93,9 @@ def run_alternating(settings: StepSettings | dict[str, StepSettings], sides: tup
             proc.join(timeout=30)
             if proc.is_alive():
                 proc.terminate()
-    return {"ready": ready, "records": records, "all_records": all_records,
-            "summary": {s: summarize(r, per_side[s].batch_size) for s, r in records.items()}, "load1": loads}
+    return {"ready": ready, "records": records, "all_records": all_records, "failed": failed,
+            "summary": {s: summarize(r, per_side[s].batch_size) for s, r in records.items() if s not in failed},
+            "load1": loads}
 
 
 def _recv(conn, side: str, timeout_s: float, proc=None) -> dict:
@@ -90,7 +108,9 @@ def _recv(conn, side: str, timeout_s: float, proc=None) -> dict:
             raise TimeoutError(f"{side} worker sent nothing for {timeout_s:.0f} s")
     msg = conn.recv()
     if "error" in msg:
-        raise RuntimeError(f"{side} worker failed: {msg['error']}\n{msg.get('traceback', '')}")
+        err = RuntimeError(f"{side} worker failed: {msg['error']}\n{msg.get('traceback', '')}")
+        err.reason = f"{side} worker failed: {msg['error']}"   # without the traceback
+        raise err
     return msg
 
 

@@ -4,6 +4,7 @@ TrainConfig for that step."""
 from __future__ import annotations
 
 import dataclasses
+from pathlib import Path
 
 from covrl.bench.models import DEFAULT_CACHE
 from covrl.tasks import TaskConfig, build_task
@@ -38,6 +39,7 @@ class StepSettings:
     budget_s: float = 0.0
     stop_at_target: bool = True  # False: train on to the budget after reaching the target (the suite's equal time)
     covrl_config: str | None = None  # YAML config for the covrl side (None: the GRPO step of these settings)
+    vllm: bool = False  # both sides sample with vLLM: covrl sampler.backend=vllm, TRL use_vllm (colocate)
 
     @property
     def batch_size(self) -> int:
@@ -62,11 +64,14 @@ def bench_train_config(settings: StepSettings, **sections):
     TRL's eps 1e-4, ppo_clip with the same clip range, token-mean aggregation, one micro-batch per step
     (TRL also makes one forward over the batch), constant lr, grad-norm clipping. `sections` override whole
     config sections (dicts)."""
+    sampler = {"temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens,
+               "max_batch": settings.batch_size}
+    if settings.vllm:   # the engine's copy of a model that is not a folder goes beside the bench's model folders
+        sampler.update(backend="vllm", vllm={"model_cache": str(Path(settings.cache_dir) / "vllm-models")})
     data = {
         "run": {"seed": settings.seed, "num_threads": settings.threads},
         "task": settings.task,
-        "sampler": {"temperature": settings.temperature, "max_new_tokens": settings.max_new_tokens,
-                    "max_batch": settings.batch_size},
+        "sampler": sampler,
         "algorithm": {"advantage": "grpo", "advantage_options": {"eps": 1e-4}, "loss": "ppo_clip",
                       "loss_options": {"clip_low": settings.clip_low, "clip_high": settings.clip_high},
                       "agg_mode": "token-mean"},

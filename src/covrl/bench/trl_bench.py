@@ -10,6 +10,10 @@ hits both alike. Reported per side: median step time and generation time, rollou
 peak RSS; and covrl/TRL ratios. Both sides do the same rollouts per step, so the throughput ratio is the
 ratio of median step times; tokens/s also depend on how long the sampled completions happen to be.
 
+`--vllm`: both sides sample with vLLM (covrl `sampler.backend=vllm`, TRL `use_vllm=True, vllm_mode="colocate"`),
+in the venv that has vLLM. A side that fails there (TRL's colocate weight sync on vLLM's CPU backend,
+docs/performance.md) gets a row with its error instead of stopping the benchmark.
+
 That the two sides compute the same step (TRL's own `compute_loss` and covrl's `compute_advantages('grpo')` +
 `policy_loss('ppo_clip')` give the same loss and gradient on a shared batch) is a test:
 tests/bench/test_trl_parity.py."""
@@ -40,6 +44,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
     parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps, short completions (tests)")
+    parser.add_argument("--vllm", action="store_true", help="both sides sample with vLLM (covrl sampler.backend="
+                        "vllm, TRL use_vllm colocate); a side that fails gets a row with its error")
 
 
 def settings_from_args(args: argparse.Namespace) -> StepSettings:
@@ -50,7 +56,7 @@ def settings_from_args(args: argparse.Namespace) -> StepSettings:
         model=args.model, cache_dir=str(args.cache_dir or DEFAULT_CACHE), threads=args.threads,
         n_prompts=args.prompts, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
         learning_rate=args.lr, warmup_steps=args.warmup_steps, steps=args.steps,
-        task=default_task_overrides(args.model),
+        task=default_task_overrides(args.model), vllm=args.vllm,
     )
 
 
@@ -65,10 +71,10 @@ def run(args: argparse.Namespace) -> int:
     if unknown:
         raise SystemExit(f"--sides: unknown {sorted(unknown)}; allowed: {', '.join(WORKERS)}")
     load_before = os.getloadavg()
-    timing = run_alternating(settings, sides, progress=_progress)
-    summary = timing["summary"]
+    timing = run_alternating(settings, sides, progress=_progress, tolerate=sides if settings.vllm else ())
+    summary, failed = timing["summary"], timing["failed"]
     ratios = {}
-    if "covrl" in summary and "trl" in summary:
+    if summary.get("covrl") and summary.get("trl"):
         c, t = summary["covrl"], summary["trl"]
         ratios = {
             # equal rollouts per step, so rollouts/s is the throughput at equal settings
@@ -83,7 +89,11 @@ def run(args: argparse.Namespace) -> int:
                "ratios": ratios, **timing}
     rows = ["| side | median step s | median gen s | rollouts/s | gen tok/s | trained tok/s | end-to-end tok/s | gen tokens/step | "
             "peak RSS MiB | mean reward | load |", "|---|---|---|---|---|---|---|---|---|---|---|"]
+    for side, reason in failed.items():
+        rows.append(f"| {side} | failed: {reason.replace('|', '/')} |" + " |" * 9)
     for side, s in summary.items():
+        if not s:
+            continue
         rows.append(f"| {side} | {s['median_step_s']:.3f} | {s['median_gen_s']:.3f} | {s['rollouts_per_s']:.2f} | {s['gen_tokens_per_s']:.1f} | "
                     f"{s['trained_tokens_per_s']:.1f} | {s['step_tokens_per_s']:.1f} | "
                     f"{s['gen_tokens_per_step']:.0f} | {s['peak_rss_mb']:.0f} | {s['reward_mean']:.3f} | "
@@ -98,6 +108,8 @@ def run(args: argparse.Namespace) -> int:
                   f"{ratios['peak_rss_covrl_over_trl']:.2f}.")
     table += (f"\n\nmodel {settings.model}, {settings.n_prompts} prompts x {settings.group_size} completions, "
               f"{settings.max_new_tokens} new tokens, {settings.threads} thread(s), {settings.steps} timed steps "
-              f"after {settings.warmup_steps} warm-up; load1 before {load_before[0]:.1f}.\n")
-    write_bench(f"trl-{settings.model}" + ("-quick" if args.quick else ""), results, table, Path(args.out))
-    return 0
+              f"after {settings.warmup_steps} warm-up; load1 before {load_before[0]:.1f}"
+              f"{'; both sides sample with vLLM' if settings.vllm else ''}.\n")
+    name = f"trl-{settings.model}" + ("-vllm" if settings.vllm else "") + ("-quick" if args.quick else "")
+    write_bench(name, results, table, Path(args.out))
+    return 0 if any(summary.values()) else 1

