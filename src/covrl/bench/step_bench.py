@@ -117,23 +117,31 @@ def synthetic_batch(model, vocab: int, rows: int, prompt_len: int, resp_len: int
     )
 
 
+def _gradient_difference(model, batch, arms) -> dict[str, float]:
+    """Log-prob and parameter-gradient differences between two ways of computing the same forward+backward on
+    `batch`: `arms` is two (module, share_prompts) pairs whose gradients land in `model`'s parameters; the loss is
+    the masked sum of the response log-probs."""
+    import torch
+
+    mask = batch.response_mask
+    lps, grads = [], []
+    for module, share in arms:
+        model.zero_grad(set_to_none=True)
+        lp = forward_response(module, batch, 1.0, with_stats=False, share_prompts=share).logprobs
+        (lp * mask).sum().backward()
+        lps.append(lp.detach() * mask)
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
+    model.zero_grad(set_to_none=True)
+    return {"logprob_max_diff": float((lps[0] - lps[1]).abs().max()),
+            "grad_max_diff": float((grads[0] - grads[1]).abs().max()),
+            "grad_rel_diff": float((grads[0] - grads[1]).norm() / grads[0].norm().clamp_min(1e-30))}
+
+
 def prompt_sharing_check(model, batch) -> dict[str, float]:
     """Max |log-prob difference| and relative L2 difference of the parameter gradients between
     `forward_response` with and without `share_prompts` on the same batch and loss."""
-    import torch
-
-
-    mask = batch.response_mask
-    grads, lps = [], []
-    for share in (False, True):
-        model.zero_grad(set_to_none=True)
-        lp = forward_response(model, batch, 1.0, with_stats=False, share_prompts=share).logprobs
-        (lp * mask).sum().backward()
-        lps.append(lp.detach())
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
-    model.zero_grad(set_to_none=True)
-    return {"logprob_max_diff": float(((lps[0] - lps[1]) * mask).abs().max()),
-            "grad_rel_diff": float((grads[0] - grads[1]).norm() / grads[0].norm().clamp_min(1e-30))}
+    diff = _gradient_difference(model, batch, ((model, False), (model, True)))
+    return {k: diff[k] for k in ("logprob_max_diff", "grad_rel_diff")}
 
 
 def autocast_mismatch(base_lp, mixed_lp, mask) -> dict[str, float]:
@@ -205,20 +213,7 @@ class BusyLoad:
 def compile_numerics(model, compiled, batch) -> dict[str, float]:
     """Max |log-prob difference| and max |gradient difference| (and the relative L2 gradient difference) of the
     compiled per-row forward+backward against the eager one, same batch and loss."""
-    import torch
-
-    mask = batch.response_mask
-    lps, grads = [], []
-    for module in (model, compiled):
-        model.zero_grad(set_to_none=True)
-        lp = forward_response(module, batch, 1.0, with_stats=False, share_prompts=False).logprobs
-        (lp * mask).sum().backward()
-        lps.append(lp.detach() * mask)
-        grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
-    model.zero_grad(set_to_none=True)
-    return {"logprob_max_diff": float((lps[0] - lps[1]).abs().max()),
-            "grad_max_diff": float((grads[0] - grads[1]).abs().max()),
-            "grad_rel_diff": float((grads[0] - grads[1]).norm() / grads[0].norm().clamp_min(1e-30))}
+    return _gradient_difference(model, batch, ((model, False), (compiled, False)))
 
 
 def compile_grid(model, vocab: int, args) -> list[dict]:

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 
 from covrl.models import load_model
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 from covrl.repro.presets import DRIVEN, ONE_DIGIT_ADDITION, load_preset
 from covrl.repro.stats import paired_ratio_ci
 from covrl.tasks import build_task
@@ -476,10 +476,8 @@ def momentum_sweep(seed: int, betas: tuple[float, ...] = (0.9, 0.5, 0.0)) -> dic
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    torch.set_num_threads(1)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = ReproResult(name="async-gap", claim=CLAIM)
+    result = start_repro("async-gap", CLAIM, out_dir)
     toy_s = TOY_FAST if fast else TOY_FULL
     tiny_s = TINY_FAST if fast else TINY_FULL
     t0 = time.perf_counter()

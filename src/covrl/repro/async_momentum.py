@@ -20,8 +20,6 @@ import time
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from covrl.repro.async_gap import (
     TINY_FAST,
     TINY_FULL,
@@ -34,7 +32,7 @@ from covrl.repro.async_gap import (
     tiny_scaling_section,
     toy_gap,
 )
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 from covrl.train.batch_scaling import LagContext, lr_for_batch, momentum_drift_factor
 
 CLAIM = ("With Adam's default momentum β1 = 0.9, the step-size rule that keeps the sampler–trainer gap fixed as the "
@@ -73,10 +71,8 @@ def toy_momentum_section(base: ToySettings, queue: int, seed: int) -> dict[str, 
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    torch.set_num_threads(1)
     out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
-    result = ReproResult(name="async-momentum", claim=CLAIM)
+    result = start_repro("async-momentum", CLAIM, out_dir)
     toy_s = TOY_FAST if fast else TOY_FULL
     tiny_s = TINY_MOMENTUM_FAST if fast else TINY_MOMENTUM_FULL
     t0, cpu0 = time.perf_counter(), time.process_time()

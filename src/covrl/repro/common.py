@@ -42,6 +42,16 @@ class ReproResult:
         return all(c.passed for c in self.criteria)
 
 
+def start_repro(name: str, claim: str, out_dir: Path) -> ReproResult:
+    """The start every reproduction shares: one torch thread (results are bit-identical at a fixed thread
+    count, and two threads on a loaded 2-core box are slower), the output folder, an empty result."""
+    import torch
+
+    torch.set_num_threads(1)
+    Path(out_dir).mkdir(parents=True, exist_ok=True)
+    return ReproResult(name=name, claim=claim)
+
+
 def jsonable(x: Any) -> Any:
     if hasattr(x, "tolist"):
         x = x.tolist()

@@ -26,7 +26,7 @@ from covrl.diagnostics.reach import as_sequences, per_sample_scores, select_para
 from covrl.math import policy_loss, score_centering_term
 from covrl.models import tiny_llama
 from covrl.repro._toys import full_precision_norms
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 
 CLAIM = (
     "On the model's own samples the expected policy gradient is Cov(A, s) and the Fisher is Var(s): a parameter "
@@ -54,13 +54,10 @@ FULL = Settings()
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    import torch
 
 
-    torch.set_num_threads(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cfg = FAST if fast else FULL
-    result = ReproResult(name="covariance", claim=CLAIM)
+    result = start_repro("covariance", CLAIM, out_dir)
     ident = _identity_section(result, cfg, seed)
     factor = _factor_section(result, cfg, seed)
     drift = _drift_section(result, cfg, seed)

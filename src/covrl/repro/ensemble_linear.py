@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from covrl.explore.loop import run_bandit
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 
 CLAIM = (
     "Linear Ensemble++ (θ = μ + Aζ, Kalman-form particle updates) nearly matches exact linear Thompson sampling "
@@ -77,10 +77,8 @@ def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     import torch
 
 
-    torch.set_num_threads(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cfg = FAST if fast else FULL
-    result = ReproResult(name="ensemble-linear", claim=CLAIM)
+    result = start_repro("ensemble-linear", CLAIM, out_dir)
     opts = _env_opts(cfg.d, cfg.arms)
 
     # 1. regret table

@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from covrl.explore.loop import run_bandit
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 
 CLAIM = (
     "Neural Ensemble++ (shared network, M linear heads on stop-gradient features, index as input) matches or "
@@ -70,13 +70,10 @@ def _pareto(points: dict[str, tuple[float, float]]) -> set[str]:
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     plt = pyplot()
-    import torch
 
 
-    torch.set_num_threads(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cfg = FAST if fast else FULL
-    result = ReproResult(name="ensemble-neural", claim=CLAIM)
+    result = start_repro("ensemble-neural", CLAIM, out_dir)
     env_opts = {"d": cfg.d, "n_actions": cfg.n_actions, "n_offered": cfg.n_offered, "noise_std": cfg.noise_std}
     common = {"hidden_sizes": cfg.hidden, "lr": cfg.lr, "sgd_steps": cfg.sgd_steps, "batch_size": cfg.batch_size,
               "noise_scale": cfg.noise_scale, "prior_scale": cfg.prior_scale}

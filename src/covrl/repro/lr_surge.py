@@ -42,10 +42,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from covrl.repro import stats
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 from covrl.repro.harness import Arm, ArmRunner, Step, pick
 from covrl.repro.presets import DRIVEN, ONE_DIGIT_ADDITION, load_preset
 from covrl.rollout import build_sampler
@@ -243,10 +241,8 @@ def analyse_run(records: list[dict], s: Settings, *, surge_ratio: float, score_b
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    torch.set_num_threads(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     s = FAST if fast else FULL
-    result = ReproResult(name="lr-surge", claim=CLAIM)
+    result = start_repro("lr-surge", CLAIM, out_dir)
     t0, c0 = time.perf_counter(), time.process_time()
     runs: dict[str, list[dict]] = {arm: [] for arm in s.arms}
     surge_ratio = surge_config("surge", seed=seed, s=s).lr_surge.ratio

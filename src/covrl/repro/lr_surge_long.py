@@ -25,10 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from covrl.repro import stats
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 from covrl.repro.long_horizon import long_config, warmup_start
 from covrl.repro.lr_surge import _KEYS, COLLAPSE_FRACTION, FLOOR, SCORE_SAMPLES, _run_arm, analyse_run
 
@@ -96,10 +94,8 @@ def step_decay_hook(s: Settings):
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    torch.set_num_threads(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     s = FAST if fast else FULL
-    result = ReproResult(name="lr-surge-long", claim=CLAIM)
+    result = start_repro("lr-surge-long", CLAIM, out_dir)
     t0, c0 = time.perf_counter(), time.process_time()
     runs: dict[str, list[dict]] = {arm: [] for arm in s.arms}
     with tempfile.TemporaryDirectory(prefix="covrl-lr-surge-long-") as tmp:

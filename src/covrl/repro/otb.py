@@ -41,10 +41,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from covrl.repro import stats
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 from covrl.repro.harness import Arm, ArmRunner, Step, pick
 from covrl.repro.lr_surge import distinct_prompts, sampled_accuracy
 from covrl.repro.presets import DRIVEN, ONE_DIGIT_ADDITION, load_preset
@@ -214,10 +212,8 @@ def step_cost(s: Settings, *, seed: int, init_state: dict, run_root: Path) -> di
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    torch.set_num_threads(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     s = FAST if fast else FULL
-    result = ReproResult(name="otb", claim=CLAIM)
+    result = start_repro("otb", CLAIM, out_dir)
     t0, c0 = time.perf_counter(), time.process_time()
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory(prefix="covrl-otb-") as tmp:

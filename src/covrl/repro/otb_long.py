@@ -18,10 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-import torch
-
 from covrl.repro import stats
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 from covrl.repro.long_horizon import COLLAPSE_FRACTION, long_config, warmup_start
 from covrl.repro.otb import (
     _KEYS,
@@ -71,10 +69,8 @@ def arm_config(arm: str, *, seed: int, s: Settings):
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    torch.set_num_threads(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     s = FAST if fast else FULL
-    result = ReproResult(name="otb-long", claim=CLAIM)
+    result = start_repro("otb-long", CLAIM, out_dir)
     t0, c0 = time.perf_counter(), time.process_time()
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory(prefix="covrl-otb-long-") as tmp:

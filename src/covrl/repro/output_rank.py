@@ -30,7 +30,7 @@ from covrl.repro._toys import (
     pretrained_tiny,
     sample_fixed,
 )
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 
 CLAIM = (
     "At the output layer only competing rows move: the backprop signal is the drawn row minus the sampler's "
@@ -64,13 +64,10 @@ FULL = Settings()
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    import torch
 
 
-    torch.set_num_threads(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cfg = FAST if fast else FULL
-    result = ReproResult(name="output-rank", claim=CLAIM)
+    result = start_repro("output-rank", CLAIM, out_dir)
     tails = _tail_sweep(result, cfg, seed)
     optim = _optimizer_section(result, cfg, seed)
     lora = _lora_section(result, cfg, seed)

@@ -34,7 +34,7 @@ from covrl.repro._toys import (
     sample_fixed,
     score_mask,
 )
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 
 CLAIM = (
     "Per unit step of policy gradient the log-odds of two responses change by at most std(A)·‖s(y1) − s(y2)‖ in "
@@ -61,13 +61,10 @@ FULL = Settings()
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    import torch
 
 
-    torch.set_num_threads(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cfg = FAST if fast else FULL
-    result = ReproResult(name="reach", claim=CLAIM)
+    result = start_repro("reach", CLAIM, out_dir)
     tab = _tabular_section(result, cfg)
     _bound_section(result, cfg, seed)
     feat = _feature_section(result, cfg, seed)

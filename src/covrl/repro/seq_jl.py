@@ -26,7 +26,7 @@ from pathlib import Path
 from covrl.explore.envs import make_env
 from covrl.explore.linear import LinearEnsemblePP
 from covrl.explore.tracking import BandTracker
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 
 CLAIM = (
     "Under the agent's own (adaptive) Thompson-sampling data, the eigenvalue band of Σ^{-1/2}AAᵀΣ^{-1/2} over all "
@@ -81,13 +81,10 @@ def _inside(band: list[float]) -> bool:
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
     plt = pyplot()
-    import torch
 
 
-    torch.set_num_threads(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cfg = FAST if fast else FULL
-    result = ReproResult(name="seq-jl", claim=CLAIM)
+    result = start_repro("seq-jl", CLAIM, out_dir)
     dlogT = cfg.d * math.log(cfg.steps)
     runs = {mode: {M: band_run(cfg, M, mode == "adaptive", seed) for M in cfg.Ms}
             for mode in ("adaptive", "non-adaptive")}

@@ -32,7 +32,7 @@ from covrl.repro._toys import (
     sample_fixed,
     score_mask,
 )
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 
 CLAIM = (
     "With the score centred under the sampler the sampler Fisher caps every coordinate of a policy-gradient "
@@ -63,13 +63,10 @@ FULL = Settings()
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    import torch
 
 
-    torch.set_num_threads(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cfg = FAST if fast else FULL
-    result = ReproResult(name="sparsity", claim=CLAIM)
+    result = start_repro("sparsity", CLAIM, out_dir)
     toy = _toy_sections(result, cfg, seed)
     lm_cap = _transformer_cap_section(result, cfg, seed, fast)
     lm = _transformer_sparsity_section(result, cfg, seed, fast)

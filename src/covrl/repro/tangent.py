@@ -37,7 +37,7 @@ from covrl.diagnostics.tangent import (
     trust_region_bounds,
 )
 from covrl.math import compute_advantages, rollout_correction
-from covrl.repro.common import ReproResult, pyplot, save_figure
+from covrl.repro.common import pyplot, save_figure, start_repro
 from covrl.repro.harness import Arm, ArmRunner, Step, pick
 from covrl.repro.presets import DRIVEN, ONE_DIGIT_ADDITION, load_preset
 from covrl.repro.stats import sorted_median
@@ -76,10 +76,8 @@ FULL = Settings(vocab_sizes=(3, 4), horizons=(1, 2, 3, 4, 5, 6, 7, 8), pairs_per
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
-    torch.set_num_threads(1)
-    out_dir.mkdir(parents=True, exist_ok=True)
     cfg = FAST if fast else FULL
-    result = ReproResult(name="tangent", claim=CLAIM)
+    result = start_repro("tangent", CLAIM, out_dir)
     t0 = time.perf_counter()
     pairs = _random_pairs_section(result, cfg, seed)
     scaling = _second_order_section(result, cfg, seed)
