@@ -92,6 +92,26 @@ def test_a_longer_cache_bucket_compiles_once_more(tiny):
     assert compiled.decode_graphs == 2
 
 
+def test_new_weights_reuse_the_graph(tiny):
+    """load_weights copies into the sampler's parameters in place: the compiled step reads them (no re-compile,
+    no stale weights baked into the graph)."""
+    model, tok = tiny
+    eager, compiled = (build_sampler(SamplerConfig(max_new_tokens=12, max_batch=4, share_weights="never", **c),
+                                     model, tok) for c in ({}, {"compile": True, "compile_backend": "eager"}))
+    compiled.generate(PROMPTS[:2], 2, generator=torch.Generator().manual_seed(5))
+    graphs = compiled.decode_graphs
+    state = {k: v + 0.05 * torch.randn_like(v) for k, v in model.state_dict().items()}
+    for sampler in (eager, compiled):
+        sampler.load_weights(state, version=1)
+    a = eager.generate(PROMPTS[:2], 2, generator=torch.Generator().manual_seed(6))
+    b = compiled.generate(PROMPTS[:2], 2, generator=torch.Generator().manual_seed(6))
+    _same(a, b)
+    assert compiled.decode_graphs == graphs and b.timing.compile_s == 0.0
+    old = build_sampler(SamplerConfig(max_new_tokens=12, max_batch=4), model, tok).generate(
+        PROMPTS[:2], 2, generator=torch.Generator().manual_seed(6))
+    assert not torch.allclose(old.sampler_logprobs, b.sampler_logprobs), "the new weights were used"
+
+
 def test_compile_options_are_checked():
     with pytest.raises(ValidationError, match="compile_backend"):
         SamplerConfig(compile=True, compile_backend="tvm")
