@@ -11,10 +11,13 @@ import pytest
 import torch
 from pydantic import ValidationError
 from test_trainer import grads_of_step, make_model
-from train_helpers import synthetic_batch, tiny_cfg
+from train_helpers import comparable, synthetic_batch, tiny_cfg
 
 from covrl.models.compiled import compile_module
 from covrl.train.distributed import TrainerConfig
+from covrl.train.loop import train_sync
+from covrl.train.run import prepare_run
+from covrl.train.sinks import read_jsonl
 from covrl.train.trainer import Trainer, forward_response
 
 # metrics compared between the eager and the compiled step (wall times and the compile time differ)
@@ -99,12 +102,6 @@ def test_inductor_logprobs_and_gradients_match_eager():
 
 
 def _tiny_run(tmp_path, name, **over):
-    from train_helpers import comparable
-
-    from covrl.train.loop import train_sync
-    from covrl.train.run import prepare_run
-    from covrl.train.sinks import read_jsonl
-
     run = prepare_run(tiny_cfg(tmp_path, **{"run.name": name, "eval.before": False, **over}), console=False)
     summary = train_sync(run)
     run.close()
