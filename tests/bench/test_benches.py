@@ -132,3 +132,16 @@ def test_distributed_quick_times_every_setup(tmp_path, cache_dir):
     assert [r["setup"] for r in res["setups"]] == ["1x1", "2x1 ddp", "2x1 ddp-no-sync", "2x1 fsdp2"]
     assert all(r["step_s"] > 0 and r["speedup_vs_1x"] > 0 for r in res["setups"])
     assert res["communication"]["grad_numel"] > 0 and res["communication"]["allreduce_grad_s"] > 0
+
+
+def test_rollout_quick_compile_alternates_eager_and_compiled(tmp_path, cache_dir):
+    # the eager backend: dynamo's capture of the static-cache decode step without inductor's code generation
+    res = run_bench("rollout", tmp_path, cache_dir, "--compile", "only", "--compile-backend", "eager",
+                    "--batch-sizes", "3")
+    (row,) = res["rows"]
+    assert sorted(row["runs"]) == ["compiled", "covrl"]
+    c = row["compile"]
+    assert c["compile_s"] > 0 and c["graphs"] == 1 and c["timed_compile_s"] == 0.0
+    assert c["padded_rows"] == 4 and c["cache_len"] % 64 == 0
+    assert c["rows_identical"] == c["rows"] == 3 and c["logprob_max_diff"] < 1e-5
+    assert c["decode_speedup"] > 0 and res["compile"]["graphs"] == 1

@@ -14,6 +14,12 @@ generated tokens up to and including EOS. The vLLM side runs its engine in its o
 to `--threads` cores, so that every side computes on the same number of threads (an in-process CPU engine
 sets the process's torch thread count itself and makes `torch.set_num_threads` a no-op); without vLLM the
 side is skipped and the results say why.
+
+`--compile also|only` adds covrl's sampler with `sampler.compile` (the decode step behind torch.compile over a
+static KV cache) as one more alternating side (`only`: just eager vs compiled covrl). Its first call per batch
+size is timed apart (compile seconds and graphs compiled, 0 when an earlier shape's graph served), and compared
+with the eager sampler on the same generator seed (rows with identical tokens and masks, max |Δ log q|); the
+timed repeats then measure the steady state (their compile seconds are recorded; 0 = no re-compile).
 """
 
 from __future__ import annotations
@@ -46,6 +52,12 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         "side when vllm is importable (skipped with a message otherwise)")
     parser.add_argument("--vllm-engine", default="process", choices=["process", "in-process"],
                         help="the vLLM engine in its own process (bound to --threads cores) or in this one")
+    parser.add_argument("--compile", default="off", choices=["off", "also", "only"],
+                        help="covrl's sampler with sampler.compile as one more side: off, also (beside the "
+                        "others), only (eager vs compiled covrl, no generate / vLLM side)")
+    parser.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
+                        help="torch.compile backend of --compile (sampler.compile_backend)")
+    parser.add_argument("--compile-bucket", type=int, default=64, help="sampler.compile_bucket of --compile")
     parser.add_argument("--quick", action="store_true", help="tiny model, small batches: seconds, for tests")
 
 
@@ -118,18 +130,40 @@ def _generate_hf(model, tokenizer, prompts, max_new_tokens, seed):
     first = torch.where(is_eos.any(1), is_eos.int().argmax(1), torch.full_like(is_eos[:, 0], new.shape[1],
                                                                                dtype=torch.long))
     tokens = int(torch.clamp(first + 1, max=new.shape[1]).sum())
-    return dt, tokens, int(new.shape[1]), None
+    return dt, tokens, int(new.shape[1]), None, 0.0
 
 
 def _generate_covrl(sampler, prompts, n, seed):
-    """covrl's sampler: `n` rows per prompt; returns (seconds, tokens, decode steps, prefill seconds)."""
+    """covrl's sampler: `n` rows per prompt; returns (seconds, tokens, decode steps, prefill seconds, compile
+    seconds)."""
     import torch
 
     gen = torch.Generator().manual_seed(seed)
     t0 = time.perf_counter()
     batch = sampler.generate(prompts, n, generator=gen)
     dt = time.perf_counter() - t0
-    return dt, int(batch.response_mask.sum()), int(batch.response_ids.shape[1]), batch.timing.prefill_s
+    return (dt, int(batch.response_mask.sum()), int(batch.response_ids.shape[1]), batch.timing.prefill_s,
+            batch.timing.compile_s)
+
+
+def compile_first_call(eager, compiled, prompts, n, seed: int = 0) -> dict:
+    """The compiled sampler's first call on these rows (compile time apart from the wall time of the call) and
+    its agreement with the eager sampler on the same generator seed."""
+    import torch
+
+    a = eager.generate(prompts, n, generator=torch.Generator().manual_seed(seed))
+    graphs = compiled.decode_graphs
+    t0 = time.perf_counter()
+    b = compiled.generate(prompts, n, generator=torch.Generator().manual_seed(seed))
+    first = time.perf_counter() - t0
+    T = max(a.response_ids.shape[1], b.response_ids.shape[1])   # right-pad both to one length (pad = mask 0)
+    ids_a, ids_b, mask_a, mask_b, lq_a, lq_b = (torch.nn.functional.pad(x, (0, T - x.shape[1])) for x in (
+        a.response_ids, b.response_ids, a.response_mask, b.response_mask, a.sampler_logprobs, b.sampler_logprobs))
+    same = (ids_a == ids_b).all(1) & (mask_a == mask_b).all(1)
+    diff = (lq_a - lq_b).abs()[same]
+    return {"compile_s": b.timing.compile_s, "first_call_s": first, "graphs": compiled.decode_graphs - graphs,
+            "rows_identical": int(same.sum()), "rows": len(same),
+            "logprob_max_diff": float(diff.max()) if diff.numel() else float("nan")}
 
 
 def _vllm_sampler(args, model, tokenizer, max_batch: int, cache: str):
@@ -140,6 +174,8 @@ def _vllm_sampler(args, model, tokenizer, max_batch: int, cache: str):
 
     if args.vllm == "off":
         return None, "skipped: --vllm off"
+    if args.compile == "only":
+        return None, "skipped: --compile only"
     if not vllm_available():
         return None, f"skipped: vllm is not importable ({VLLM_EXTRA_HINT})"
     cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count()))
@@ -171,10 +207,12 @@ def run(args: argparse.Namespace) -> int:
                                  task=default_task_overrides(args.model))
     _, prompts = build_bench_task(settings, tokenizer)
 
-
     max_batch = max(int(b) for b in args.batch_sizes.split(","))
     sampler = build_sampler(SamplerConfig(max_new_tokens=args.max_new_tokens, temperature=1.0,
                                           max_batch=max_batch), model, tokenizer)
+    compiled = None if args.compile == "off" else build_sampler(
+        SamplerConfig(max_new_tokens=args.max_new_tokens, temperature=1.0, max_batch=max_batch, compile=True,
+                      compile_backend=args.compile_backend, compile_bucket=args.compile_bucket), model, tokenizer)
     t0 = time.perf_counter()
     vllm_sampler, vllm_skipped = _vllm_sampler(args, model, tokenizer, max_batch, str(cache))
     vllm_info = {"skipped": vllm_skipped}
@@ -190,20 +228,25 @@ def run(args: argparse.Namespace) -> int:
         n = args.group_size if b >= args.group_size and b % args.group_size == 0 else 1
         unique = [prompts[i % len(prompts)] for i in range(b // n)]
         batch_prompts = [p for p in unique for _ in range(n)]  # the same rows for both sides
-        sides = {"covrl": lambda s, unique=unique, n=n: _generate_covrl(sampler, unique, n, s),
-                 "generate": lambda s, rows_=batch_prompts: _generate_hf(model, tokenizer, rows_,
-                                                                          args.max_new_tokens, s)}
+        sides = {"covrl": lambda s, unique=unique, n=n: _generate_covrl(sampler, unique, n, s)}
+        if args.compile != "only":
+            sides["generate"] = lambda s, rows_=batch_prompts: _generate_hf(model, tokenizer, rows_,
+                                                                             args.max_new_tokens, s)
         if vllm_sampler is not None:
             sides["vllm"] = lambda s, unique=unique, n=n: _generate_covrl(vllm_sampler, unique, n, s)
+        first_call = None
+        if compiled is not None:
+            first_call = compile_first_call(sampler, compiled, unique, n)
+            sides["compiled"] = lambda s, unique=unique, n=n: _generate_covrl(compiled, unique, n, s)
         for fn in sides.values():  # warm-up (allocator, first-call costs)
             fn(0)
         runs = {name: [] for name in sides}
         for rep in range(args.repeats):
             order = list(sides)[rep % len(sides):] + list(sides)[:rep % len(sides)]  # rotate the order
             for name in order:
-                dt, tokens, steps, prefill = sides[name](rep + 1)
+                dt, tokens, steps, prefill, compile_s = sides[name](rep + 1)
                 runs[name].append({"seconds": dt, "tokens": tokens, "decode_steps": steps, "prefill_s": prefill,
-                                   "load1": os.getloadavg()[0]})
+                                   "compile_s": compile_s, "load1": os.getloadavg()[0]})
         prompt_len = statistics.fmean(len(p) for p in batch_prompts)
         kv_positions = prompt_len + args.max_new_tokens / 2
         step_bytes = costs["weight_bytes"] + b * kv_positions * costs["kv_bytes_per_position"]
@@ -219,7 +262,19 @@ def run(args: argparse.Namespace) -> int:
             row[f"{name}_decode_steps_s"] = steps_s
             # decode-step rate x B: the rate if every row were generating (padding after EOS included)
             row[f"{name}_fraction_of_roofline"] = steps_s * b / roofline
-        row["covrl_over_generate"] = row["covrl_tok_s"] / row["generate_tok_s"]
+        if "generate" in runs:
+            row["covrl_over_generate"] = row["covrl_tok_s"] / row["generate_tok_s"]
+        if first_call is not None:
+            # decode seconds per step without the (eager, identical) prefill: what compiling changes
+            decode = {name: sum(r["seconds"] - r["prefill_s"] for r in runs[name])
+                      / sum(r["decode_steps"] for r in runs[name]) for name in ("covrl", "compiled")}
+            width = max(len(p) for p in batch_prompts) + args.max_new_tokens
+            row["compile"] = {**first_call, "padded_rows": 1 << (b - 1).bit_length(),
+                              "cache_len": -(-width // args.compile_bucket) * args.compile_bucket,
+                              "eager_decode_step_s": decode["covrl"], "compiled_decode_step_s": decode["compiled"],
+                              "decode_speedup": decode["covrl"] / decode["compiled"],
+                              "compiled_over_covrl": row["compiled_tok_s"] / row["covrl_tok_s"],
+                              "timed_compile_s": sum(r["compile_s"] for r in runs["compiled"])}
         if "vllm" in runs:
             row["vllm_over_generate"] = row["vllm_tok_s"] / row["generate_tok_s"]
             row["vllm_over_covrl"] = row["vllm_tok_s"] / row["covrl_tok_s"]
@@ -236,7 +291,10 @@ def run(args: argparse.Namespace) -> int:
         shutdown_engines()
     results = {"source": source_state(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
                "max_new_tokens": args.max_new_tokens, "bandwidth_GB_s": bandwidth / 1e9,
-               "matmul_GFLOP_s": flops / 1e9, **costs, "vllm": vllm_info, "rows": rows}
+               "matmul_GFLOP_s": flops / 1e9, **costs, "vllm": vllm_info, "rows": rows,
+               "compile": None if compiled is None else {"mode": args.compile, "backend": args.compile_backend,
+                                                         "bucket": args.compile_bucket,
+                                                         "graphs": compiled.decode_graphs}}
     with_vllm = vllm_sampler is not None
     header = ("| B (rows/prompt) | covrl tok/s | generate tok/s | covrl/generate | "
               + ("vllm tok/s | vllm/generate | vllm/covrl | " if with_vllm else "")
@@ -254,7 +312,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{100 * r['generate_fraction_of_roofline']:.0f}% | {vllm_roof}"
                 f"{100 * r['covrl_prefill_share']:.0f}% | {r['mean_load1']:.1f} |")
 
-    lines = [line(r) for r in rows]
+    lines = [] if args.compile == "only" else [line(r) for r in rows]
     vllm_note = (f"vLLM side {vllm_skipped}. " if not with_vllm else
                  f"vLLM engine {args.vllm_engine} (bind {vllm_info['omp_threads_bind']}), started in "
                  f"{vllm_info['start_s']:.1f} s; torch threads after its start: "
@@ -263,7 +321,28 @@ def run(args: argparse.Namespace) -> int:
             f"bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s, "
             f"weights read per step {costs['weight_bytes'] / 2**20:.0f} MiB. {vllm_note}"
             "% of roofline uses decode steps x B (padding rows after EOS count as work).\n")
+    table = "" if args.compile == "only" else header + "\n".join(lines)
+    if compiled is not None:
+        table += ("\n" if table else "") + compile_table(rows, args.compile_backend)
     write_bench(f"rollout-{args.model}" + ("" if args.dtype == "float32" else f"-{args.dtype}")
-                + ("-quick" if args.quick else ""), results, header + "\n".join(lines) + note,
-                Path(args.out))
+                + ("-compile" if args.compile == "only" else "") + ("-quick" if args.quick else ""), results,
+                table + note, Path(args.out))
     return 0
+
+
+def compile_table(rows: list[dict], backend: str) -> str:
+    """Eager vs compiled covrl sampler per batch size (decode steps only; the prefill is eager in both)."""
+    t = [f"Eager vs compiled (sampler.compile, {backend}, static KV cache) covrl sampler; speed-up = eager decode "
+         "s/step / compiled (> 1: compiled faster); compile s / graphs = the first call of that batch size (0: an "
+         "earlier graph served it); identical = rows with the same tokens and masks on the same seed:", "",
+         "| B (rows/prompt) | padded rows | cache len | compile s | graphs | first call s | eager tok/s | "
+         "compiled tok/s | compiled/eager tok/s | eager ms/step | compiled ms/step | decode speed-up | identical | "
+         "max abs dlogq | load |", "|---" * 15 + "|"]
+    for r in rows:
+        c = r["compile"]
+        t.append(f"| {r['batch']} ({r['rows_per_prompt']}) | {c['padded_rows']} | {c['cache_len']} | "
+                 f"{c['compile_s']:.1f} | {c['graphs']} | {c['first_call_s']:.1f} | {r['covrl_tok_s']:.1f} | "
+                 f"{r['compiled_tok_s']:.1f} | {c['compiled_over_covrl']:.2f} | {1e3 * c['eager_decode_step_s']:.1f} | "
+                 f"{1e3 * c['compiled_decode_step_s']:.1f} | {c['decode_speedup']:.2f}x | "
+                 f"{c['rows_identical']}/{c['rows']} | {c['logprob_max_diff']:.1e} | {r['mean_load1']:.1f} |")
+    return "\n".join(t) + "\n"

@@ -1,4 +1,5 @@
-"""torch.compile of a causal LM's forward (the trainer's log-prob pass) and the compile-time clock.
+"""torch.compile of a causal LM's forward (the trainer's log-prob pass), of the hf sampler's decode step over a
+static KV cache, and the compile-time clock.
 
 `compile_module` wraps a module with `torch.compile(dynamic=True)`: the wrapper shares the module's parameters,
 and symbolic batch and length dimensions let one graph serve every micro-batch shape of the full
@@ -35,3 +36,34 @@ def compile_seconds() -> float:
     except ImportError:   # a private helper: without it compile time is reported as 0
         return 0.0
     return float(calculate_time_spent().get("total_wall_time", 0.0))
+
+
+def compiled_graphs() -> int:
+    """Graphs torch.compile has captured in this process so far (dynamo's unique_graphs counter): a difference of
+    two readings is the number of (re-)compiles in between."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:
+        return 0
+    return int(counters["stats"]["unique_graphs"])
+
+
+# a bound per region: each (rows, cache length) bucket and sampler module is one graph; past it fullgraph raises
+DECODE_RECOMPILE_LIMIT = 64
+
+
+def compile_decode_step(backend: str = "inductor", cache_kwarg: str = "cache"):
+    """`step(module, input_ids [R, 1], position_ids [R, 1], attention_mask [R, L], cache) -> logits [R, V]`: one
+    decode step over a preallocated StaticCache of L slots, behind torch.compile with static shapes and one graph
+    (fullgraph: a graph break raises instead of silently running part of the step eagerly). Shapes are fixed per
+    (R, L), so the caller buckets both; the StaticCache object may be new at every call (no re-compile)."""
+    if backend not in COMPILE_BACKENDS:
+        raise ValueError(f"sampler.compile_backend={backend!r}; allowed: {', '.join(COMPILE_BACKENDS)}")
+
+    def step(module, input_ids, position_ids, attention_mask, cache):
+        out = module(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                     use_cache=True, **{cache_kwarg: cache})
+        return out.logits[:, -1, :]
+
+    return torch.compile(step, backend=backend, dynamic=False, fullgraph=True,
+                         recompile_limit=DECODE_RECOMPILE_LIMIT)

@@ -42,6 +42,18 @@ def output_cache(out):
     return cache if cache is not None else getattr(out, "past_key_values", None)
 
 
+def static_cache_from(model, cache, rows: torch.Tensor, max_len: int):
+    """A transformers `StaticCache` of `len(rows)` rows x `max_len` slots holding row `rows[i]` of the prefilled
+    DynamicCache `cache` (the prompts' keys / values in slots [0, P)); decode steps write slot P, P+1, ...
+    Preallocated and written in place, so a compiled decode step sees the same shapes at every step."""
+    from transformers import StaticCache
+
+    static = StaticCache(config=model.config, max_cache_len=max_len)
+    for i, layer in enumerate(cache.layers):
+        static.update(layer.keys[rows], layer.values[rows], i)
+    return static
+
+
 def checkpointing(model) -> bool:
     """Activation checkpointing disables the KV cache in training mode, so prompts cannot be shared."""
     with warnings.catch_warnings():   # transformers 5 deprecates the old spelling

@@ -18,6 +18,13 @@ The "hf" backend runs its own decode loop over a transformers causal LM with a K
   (mask 0, log-prob 0); finished rows leave the batch (the KV cache is compacted) and the loop stops when
   every row has ended or after `max_new_tokens`.
 
+With `sampler.compile` the decode step runs behind torch.compile over a preallocated StaticCache instead
+(covrl.models.compiled.compile_decode_step): rows are padded up to a power of two and the cache length
+(prompt + max_new_tokens) up to a multiple of `sampler.compile_bucket`, so one graph serves every step and
+every batch in the same bucket; finished rows stay in the batch (masked out of the outputs: the shapes cannot
+change), and the uniforms are still drawn for the live rows only, so with the same generator the tokens are
+the eager loop's whenever the logits agree to fp32 rounding. The prefill stays eager.
+
 Greedy decoding takes argmax q (the same filtered distribution) and reports log q of that token.
 """
 
@@ -29,9 +36,10 @@ from collections.abc import Callable
 from typing import Literal, Protocol
 
 import torch
-from pydantic import Field, field_validator
+from pydantic import Field, field_validator, model_validator
 
-from covrl.models.forward import cache_argument, output_cache
+from covrl.models.compiled import CompileBackend, compile_decode_step, compile_seconds, compiled_graphs
+from covrl.models.forward import cache_argument, output_cache, static_cache_from
 from covrl.models.loading import lora_merge_plan, merge_lora_state_dict, pad_and_stop_ids
 from covrl.rollout.prompts import check_prompts
 from covrl.rollout.types import TOPK_LOGPROB_FLOOR, RolloutBatch, RolloutTiming  # noqa: F401 - re-exported
@@ -61,6 +69,17 @@ class SamplerConfig(Section):
         "sync_every == 1; a separate copy is required for staleness (sync_every > 1) or another dtype")
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig,
                                    description="engine options (sampler.backend=vllm only)")
+    compile: bool = Field(
+        False, description="torch.compile of the hf sampler's decode step over a static KV cache (rows padded "
+                           "to a power of two, cache length to a multiple of sampler.compile_bucket; finished rows "
+                           "stay in the batch); the first batch of each shape pays the compile, reported as "
+                           "timing.compile_s (docs/performance.md). sampler.backend=hf only")
+    compile_backend: CompileBackend = Field(
+        "inductor", description="torch.compile backend with sampler.compile: inductor (kernels; needs a C++ "
+                                "compiler on CPU), aot_eager / eager (capture only, eager kernels: tests, debugging)")
+    compile_bucket: int = Field(64, ge=1, le=65536, description="with sampler.compile, the static cache length "
+                                "(longest prompt + max_new_tokens) is rounded up to a multiple of this, so that "
+                                "prompt lengths in one bucket share a compiled graph")
 
     @field_validator("backend")
     @classmethod
@@ -71,6 +90,13 @@ class SamplerConfig(Section):
         if v == "vllm" and not vllm_available():   # at config load, not after the model has loaded
             raise ValueError(VLLM_EXTRA_HINT)
         return v
+
+    @model_validator(mode="after")
+    def _compile_hf_only(self):
+        if self.compile and self.backend != "hf":
+            raise ValueError(f"sampler.compile=true compiles the hf sampler's decode loop; sampler.backend="
+                             f"{self.backend!r} has its own (set sampler.compile=false)")
+        return self
 
 
 class Sampler(Protocol):
@@ -128,6 +154,58 @@ def sample_from_logprobs(logq: torch.Tensor, generator: torch.Generator) -> torc
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=logq.shape[-1] - 1)
 
 
+class _DynamicDecode:
+    """The eager decode loop: the prompts' DynamicCache repeated to the rows; finished rows leave the batch and
+    the cache (compacted), so the shapes shrink as rows end."""
+
+    def __init__(self, sampler: HFSampler, cache, expand: torch.Tensor, attn: torch.Tensor, next_pos: torch.Tensor):
+        if len(expand) > int(expand.max()) + 1:   # rows share prompts: repeat their cache rows
+            cache.batch_select_indices(expand)
+        self.module, self.cache_kwarg, self.cache = sampler.module, sampler._cache_kwarg, cache
+        self.attn, self.next_pos = attn[expand], next_pos[expand]
+
+    def step(self, tok: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        """Logits [live, V] after feeding `tok` (one per live row); `keep` = the live rows that go on (None: all)."""
+        if keep is not None:
+            self.cache.batch_select_indices(keep)
+            tok, self.attn, self.next_pos = tok[keep], self.attn[keep], self.next_pos[keep]
+        self.attn = torch.cat([self.attn, self.attn.new_ones((self.attn.shape[0], 1))], dim=-1)
+        out = self.module(input_ids=tok[:, None], attention_mask=self.attn, position_ids=self.next_pos[:, None],
+                          use_cache=True, **{self.cache_kwarg: self.cache})
+        self.cache = output_cache(out)
+        self.next_pos = self.next_pos + 1
+        return out.logits[:, -1, :]
+
+
+def _round_up(n: int, multiple: int) -> int:
+    return -(-n // multiple) * multiple
+
+
+class _StaticDecode:
+    """The compiled decode loop (sampler.compile): fixed rows (padded to a power of two with copies of row 0) over a
+    StaticCache of a bucketed length; every row runs every step, and only the live rows' logits are returned."""
+
+    def __init__(self, sampler: HFSampler, cache, expand: torch.Tensor, attn: torch.Tensor, next_pos: torch.Tensor):
+        rows, P = len(expand), attn.shape[1]
+        padded = 1 << (rows - 1).bit_length()
+        length = _round_up(P + sampler.cfg.max_new_tokens, sampler.cfg.compile_bucket)
+        index = torch.cat([expand, expand.new_zeros(padded - rows)])
+        self.module, self.step_fn = sampler.module, sampler._decode_step()
+        self.cache = static_cache_from(sampler.module, cache, index, length)
+        # prompt padding masked; the generated slots all 1: the causal mask hides the slots not yet written
+        self.attn = torch.cat([attn[index], attn.new_ones((padded, length - P))], dim=-1)
+        self.next_pos, self.tok = next_pos[index], attn.new_zeros(padded)
+        self.live = torch.arange(rows, device=attn.device)
+
+    def step(self, tok: torch.Tensor, keep: torch.Tensor | None) -> torch.Tensor:
+        self.tok[self.live] = tok
+        if keep is not None:
+            self.live = self.live[keep]
+        logits = self.step_fn(self.module, self.tok[:, None], self.next_pos[:, None], self.attn, self.cache)
+        self.next_pos = self.next_pos + 1
+        return logits[self.live]
+
+
 class HFSampler:
     """The transformers backend (see the module docstring for the decode loop and the log-prob semantics)."""
 
@@ -159,6 +237,8 @@ class HFSampler:
         self.pad_id, self.eos_ids = pad_and_stop_ids(tokenizer, model)
         self.version = 0
         self._cache_kwarg = cache_argument()
+        self._compiled_step = None          # (backend, compiled decode step), made on first use
+        self.decode_graphs = 0              # graphs compiled by this sampler's generate calls (sampler.compile)
         # Positions past the model's trained context would run through RoPE extrapolation silently.
         self.context = getattr(getattr(model, "config", None), "max_position_embeddings", None)
 
@@ -181,6 +261,12 @@ class HFSampler:
 
     # ------------------------------------------------------------------ generation
 
+    def _decode_step(self):
+        backend = self.cfg.compile_backend
+        if self._compiled_step is None or self._compiled_step[0] != backend:
+            self._compiled_step = (backend, compile_decode_step(backend, self._cache_kwarg))
+        return self._compiled_step[1]
+
     def _check_prompts(self, prompts, n):
         check_prompts(prompts, n, context=self.context, max_new_tokens=self.cfg.max_new_tokens)
 
@@ -197,6 +283,7 @@ class HFSampler:
         was_training = model.training
         model.eval()  # dropout off; HF also disables the KV cache under gradient checkpointing in train mode
         t0 = time.perf_counter()
+        c0, g0 = (compile_seconds(), compiled_graphs()) if self.cfg.compile else (0.0, 0)
         try:
             pieces = [self._generate_chunk(rows[s: s + self.cfg.max_batch], generator, greedy)
                       for s in range(0, len(rows), self.cfg.max_batch)]
@@ -204,7 +291,11 @@ class HFSampler:
             if was_training:
                 model.train()
         elapsed = time.perf_counter() - t0
-        timing = RolloutTiming(generate_s=elapsed, prefill_s=sum(p["prefill_s"] for p in pieces))
+        compile_s = compile_seconds() - c0 if self.cfg.compile else 0.0
+        if self.cfg.compile:
+            self.decode_graphs += compiled_graphs() - g0
+        timing = RolloutTiming(generate_s=elapsed, prefill_s=sum(p["prefill_s"] for p in pieces),
+                               compile_s=compile_s)
         return self._assemble(rows, pieces, n, version, timing)
 
     def _generate_chunk(self, rows: list[list[int]], generator: torch.Generator, greedy: bool) -> dict:
@@ -237,11 +328,9 @@ class HFSampler:
         out = self.module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
                           logits_to_keep=1)
         prefill_s = time.perf_counter() - t0
-        cache = output_cache(out)
-        if len(unique) < B:
-            cache.batch_select_indices(expand)
+        decode = (_StaticDecode if cfg.compile else _DynamicDecode)(self, output_cache(out), expand, attn,
+                                                                     positions[:, -1] + 1)
         logits = out.logits[:, -1, :][expand]
-        attn, next_pos = attn[expand], positions[expand, -1] + 1
         active = torch.arange(B, device=device)  # original row of each live batch entry
         for t in range(cfg.max_new_tokens):
             logq = filtered_logprobs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
@@ -256,16 +345,10 @@ class HFSampler:
             alive = ~torch.isin(tok, eos)
             if t == cfg.max_new_tokens - 1 or not bool(alive.any()):
                 break
-            if not bool(alive.all()):  # drop finished rows from the batch and the KV cache
-                keep = alive.nonzero().squeeze(-1)
-                cache.batch_select_indices(keep)
-                active, tok, attn, next_pos = active[keep], tok[keep], attn[keep], next_pos[keep]
-            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
-            out = self.module(input_ids=tok[:, None], attention_mask=attn, position_ids=next_pos[:, None],
-                              use_cache=True, **{self._cache_kwarg: cache})
-            cache = output_cache(out)
-            logits = out.logits[:, -1, :]
-            next_pos = next_pos + 1
+            keep = None if bool(alive.all()) else alive.nonzero().squeeze(-1)  # finished rows leave the batch
+            if keep is not None:
+                active = active[keep]
+            logits = decode.step(tok, keep)
         piece = {"tokens": out_tokens.cpu(), "logq": out_logq.cpu(), "length": out_len.cpu(),
                  "prefill_s": prefill_s}
         if K:

@@ -28,10 +28,11 @@ class RolloutTiming:
     generate_s: float = 0.0
     prefill_s: float = 0.0
     score_s: float = 0.0
+    compile_s: float = 0.0   # torch.compile time inside generate_s (sampler.compile; 0 once every shape is compiled)
 
     def __add__(self, other: RolloutTiming) -> RolloutTiming:
         return RolloutTiming(self.generate_s + other.generate_s, self.prefill_s + other.prefill_s,
-                             self.score_s + other.score_s)
+                             self.score_s + other.score_s, self.compile_s + other.compile_s)
 
 
 @dataclass(frozen=True)

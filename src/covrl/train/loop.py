@@ -38,6 +38,8 @@ def step_record(run: Run, batch: ScoredBatch, result: StepResult, *, step_s: flo
         "staleness": float(trainer.version - 1 - batch.policy_version.float().mean())
         if result.metrics.get("skipped") == 0.0 else 0.0,
     })
+    if run.cfg.sampler.compile:   # the torch.compile seconds inside time/generate (0 once its shapes are compiled)
+        record["time/sampler_compile_s"] = batch.timing.compile_s
     return record
 
 
