@@ -15,6 +15,7 @@ REPROS: dict[str, str] = {
     "lr-surge": "covrl.repro.lr_surge",
     "otb": "covrl.repro.otb",
     "lr-surge-long": "covrl.repro.lr_surge_long",
+    "lr-surge-long-d": "covrl.repro.lr_surge_long_d",
     "otb-long": "covrl.repro.otb_long",
     "ensemble-linear": "covrl.repro.ensemble_linear",
     "seq-jl": "covrl.repro.seq_jl",
