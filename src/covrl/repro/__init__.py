@@ -17,6 +17,7 @@ REPROS: dict[str, str] = {
     "lr-surge-long": "covrl.repro.lr_surge_long",
     "lr-surge-long-d": "covrl.repro.lr_surge_long_d",
     "otb-long": "covrl.repro.otb_long",
+    "otb-long-d": "covrl.repro.otb_long_d",
     "ensemble-linear": "covrl.repro.ensemble_linear",
     "seq-jl": "covrl.repro.seq_jl",
     "ensemble-neural": "covrl.repro.ensemble_neural",

@@ -49,6 +49,7 @@ class Settings:
     eval_prompts: int
     eval_samples: int
     keys: tuple[str, ...] = field(default=(*_KEYS, "lr"))
+    regime_min_collapsed: int | None = None   # rule 1: None = some but not all seeds (design C); k = at least k
 
 
 FAST = Settings(seeds=1, token_budget=1200, checkpoints=2, prompts_per_step=2, lr=1e-3, sft_steps=8, chain_steps=4,
@@ -68,9 +69,9 @@ def arm_config(arm: str, *, seed: int, s: Settings):
                        chain_steps=s.chain_steps, advantage=advantage, extra={"optim.micro_batch_size": 128})
 
 
-def run(out_dir: Path, *, fast: bool = False, seed: int = 0):
+def run(out_dir: Path, *, fast: bool = False, seed: int = 0, full: Settings = FULL, name: str = "otb-long"):
     s = FAST if fast else FULL
-    result = start_repro("otb-long", CLAIM, out_dir)
+    result = start_repro(name, CLAIM, out_dir)
     t0, c0 = time.perf_counter(), time.process_time()
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
     with tempfile.TemporaryDirectory(prefix="covrl-otb-long-") as tmp:
@@ -132,8 +133,13 @@ def _summarise(result, runs: dict[str, list[dict]], s: Settings) -> None:
         return
     # design C's rules (docs/results/otb.md): evaluated as registered, whatever the outcome
     otb, g4 = per_arm["otb_n4"], per_arm["grpo_n4"]
-    result.check("regime reached: GRPO N=4 collapses in some but not all seeds", f"{g4['collapsed']}/{g4['runs']}",
-                 "0 < collapsed < seeds", 0 < g4["collapsed"] < g4["runs"])
+    if s.regime_min_collapsed is None:
+        result.check("regime reached: GRPO N=4 collapses in some but not all seeds",
+                     f"{g4['collapsed']}/{g4['runs']}", "0 < collapsed < seeds", 0 < g4["collapsed"] < g4["runs"])
+    else:
+        k = s.regime_min_collapsed
+        result.check(f"regime reached: GRPO N=4 collapses in at least {k} seeds", f"{g4['collapsed']}/{g4['runs']}",
+                     f"collapsed ≥ {k}", g4["collapsed"] >= k)
     lengths = [x["length_max_of_batch_means"] for e in per_arm.values() for x in e["per_seed"]]
     result.check("long responses: median over runs of the largest batch-mean length ≥ 256 tokens",
                  stats.median(lengths), "≥ 256", stats.median(lengths) >= 256)
