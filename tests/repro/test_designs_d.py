@@ -1,0 +1,28 @@
+"""Designs D of lr-surge-long and otb-long (docs/results/lr-surge.md, otb.md) are design C with only the
+registered changes: a test that fails if a later edit moves anything else."""
+
+from dataclasses import asdict
+
+from covrl.repro import REPROS, lr_surge_long, lr_surge_long_d, otb_long, otb_long_d
+
+
+def _changed(a, b) -> dict:
+    da, db = asdict(a), asdict(b)
+    return {k: db[k] for k in da if da[k] != db[k]}
+
+
+def test_lr_surge_design_d_changes_only_lr_steps_and_rule_1():
+    assert _changed(lr_surge_long.FULL, lr_surge_long_d.DESIGN_D) == {"lr": 6e-4, "steps": 16,
+                                                                       "regime_min_collapsed": 3}
+    assert REPROS["lr-surge-long-d"] == "covrl.repro.lr_surge_long_d"
+
+
+def test_otb_design_d_changes_only_lr_tokens_and_rule_1():
+    assert _changed(otb_long.FULL, otb_long_d.DESIGN_D) == {"lr": 6e-4, "token_budget": 150_000,
+                                                             "regime_min_collapsed": 3}
+    assert REPROS["otb-long-d"] == "covrl.repro.otb_long_d"
+
+
+def test_design_c_keeps_its_registered_rule_1():
+    assert lr_surge_long.FULL.regime_min_collapsed is None
+    assert otb_long.FULL.regime_min_collapsed is None
