@@ -70,7 +70,7 @@ def arm_config(arm: str, *, seed: int, s: Settings):
 
 
 def run(out_dir: Path, *, fast: bool = False, seed: int = 0, full: Settings = FULL, name: str = "otb-long"):
-    s = FAST if fast else FULL
+    s = FAST if fast else full
     result = start_repro(name, CLAIM, out_dir)
     t0, c0 = time.perf_counter(), time.process_time()
     runs: dict[str, list[dict]] = {arm: [] for arm in ARMS}
