@@ -75,6 +75,10 @@ def test_step_quick_covers_every_variant(tmp_path, cache_dir):
     assert [v["variant"] for v in res["variants"]] == list(VARIANTS)
     assert all(v["step_s"] > 0 and v["forward_backward_s"] > 0 for v in res["variants"])
     assert res["grid"] and all(g["tokens_per_s"] > 0 for g in res["grid"])
+    # the share of the matmul bound: the counted work of one pass over its time and the measured roof
+    for g in res["grid"]:
+        assert g["matmul_flops"] > 0
+        assert abs(g["share_of_matmul_bound"] - g["matmul_flops"] / g["fwd_bwd_s"] / g["matmul_roof_flop_s"]) < 1e-9
     # prompt sharing in the Trainer's forward changes neither the log-probs nor the gradient
     assert res["prompt_sharing"]["logprob_max_diff"] < 1e-4
     assert res["prompt_sharing"]["grad_rel_diff"] < 1e-4

@@ -69,3 +69,43 @@ def rss_peak_mb() -> float:
 
 def load1() -> float:
     return os.getloadavg()[0]
+
+
+def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
+    """Memory bandwidth in bytes/s: best of `repeats` copies of a `megabytes` fp32 tensor, counting the read
+    and the write (STREAM 'copy' convention)."""
+    import torch
+
+    src = torch.randn(megabytes * 2**20 // 4)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = max(best, 2 * src.nbytes / (time.perf_counter() - t0))
+    return best
+
+
+def measure_matmul_flops(size: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
+    """Dense matmul throughput in FLOP/s (best of `repeats`): 2 * size^3 per product."""
+    import torch
+
+    a = torch.randn(size, size, dtype=getattr(torch, dtype))
+    b = torch.randn(size, size, dtype=getattr(torch, dtype))
+    a @ b
+    best = 0.0
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        a @ b
+        best = max(best, 2 * size**3 / (time.perf_counter() - t0))
+    return best
+
+def count_flops(fn) -> float:
+    """FLOPs of one call of `fn()` (forward and backward alike), as torch's FlopCounterMode counts them:
+    matmuls, convolutions and attention kernels; element-wise work is not counted."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    with FlopCounterMode(display=False) as counter:
+        fn()
+    return float(counter.get_total_flops())

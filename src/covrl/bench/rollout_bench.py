@@ -29,7 +29,7 @@ import statistics
 import time
 from pathlib import Path
 
-from covrl.bench.common import source_state, write_bench
+from covrl.bench.common import measure_bandwidth, measure_matmul_flops, source_state, write_bench
 from covrl.bench.models import DEFAULT_CACHE, load_model
 from covrl.bench.settings import StepSettings, build_bench_task, default_task_overrides
 from covrl.rollout import SamplerConfig, build_sampler
@@ -59,37 +59,6 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="torch.compile backend of --compile (sampler.compile_backend)")
     parser.add_argument("--compile-bucket", type=int, default=64, help="sampler.compile_bucket of --compile")
     parser.add_argument("--quick", action="store_true", help="tiny model, small batches: seconds, for tests")
-
-
-def measure_bandwidth(megabytes: int = 512, repeats: int = 5) -> float:
-    """Memory bandwidth in bytes/s: best of `repeats` copies of a `megabytes` fp32 tensor, counting the read
-    and the write (STREAM 'copy' convention)."""
-    import torch
-
-    src = torch.randn(megabytes * 2**20 // 4)
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        best = max(best, 2 * src.nbytes / (time.perf_counter() - t0))
-    return best
-
-
-def measure_matmul_flops(size: int = 1024, repeats: int = 5, dtype: str = "float32") -> float:
-    """Dense matmul throughput in FLOP/s (best of `repeats`): 2 * size^3 per product."""
-    import torch
-
-    a = torch.randn(size, size, dtype=getattr(torch, dtype))
-    b = torch.randn(size, size, dtype=getattr(torch, dtype))
-    a @ b
-    best = 0.0
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        a @ b
-        best = max(best, 2 * size**3 / (time.perf_counter() - t0))
-    return best
 
 
 def decode_costs(model) -> dict[str, float]:

@@ -33,10 +33,11 @@ state the load average."""
 from __future__ import annotations
 
 import argparse
+import functools
 import statistics
 import time
 
-from covrl.bench.common import source_state, write_bench
+from covrl.bench.common import count_flops, measure_matmul_flops, source_state, write_bench
 from covrl.bench.models import DEFAULT_CACHE, load_model
 from covrl.bench.settings import StepSettings, bench_train_config, default_task_overrides
 from covrl.math import kl_estimate, rollout_correction, token_logprobs
@@ -304,6 +305,14 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
     model, tokenizer = load_model(args.model, args.cache_dir or DEFAULT_CACHE)
     model.train()
     vocab = model.config.vocab_size
+    # the matmul roof at each thread count, for the grid's share-of-bound column
+    roof = {}
+    for arm in arms:
+        use(arm)
+        for mode in modes:
+            roof[arm, mode] = measure_matmul_flops(256 if args.quick else 1024,
+                                                   dtype="float32" if mode == "none" else "bfloat16")
+    use(arms[0])
     if args.compile == "only":
         rows = compile_grid(model, vocab, args)
         results = {"source": source_state(), "model": args.model, "threads": count[arms[0]],
@@ -321,6 +330,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
     for mb in (int(x) for x in args.micro_batches.split(",")):
         for length in (int(x) for x in args.lengths.split(",")):
             batch = synthetic_batch(model, vocab, mb, args.prompt_length, length, min(args.group_size, mb))
+            flops = count_flops(functools.partial(_fwd_bwd, model, batch, False))   # untimed: one plain pass
             times = {(arm, mode, stats): [] for arm in arms for mode, stats in combos}
             loads = {arm: [] for arm in arms}
             for arm in arms:   # warm-up at every thread count and mode
@@ -348,6 +358,8 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                            "tokens_per_s_stats": mb * length / full,
                            "all_tokens_per_s": mb * (length + args.prompt_length) / plain,
                            "stats_overhead": full / plain - 1.0, "speedup_vs_first_mode": base_s / plain,
+                           "matmul_flops": flops, "matmul_roof_flop_s": roof[arm, mode],
+                           "share_of_matmul_bound": flops / plain / roof[arm, mode],
                            "load1": statistics.median(loads[arm])}
                     if mode != modes[0]:
                         row["mismatch_vs_first_mode"] = autocast_mismatch(lps[modes[0]], lps[mode],
@@ -434,6 +446,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                            "step_s": step["step_s"], "step_vs_first": step["step_s"] / ref_step["step_s"]})
 
     results = {"source": source_state(), "model": args.model, "threads": [count[a] for a in arms],
+               "matmul_roof_flop_s": {f"{a}/{m}": v for (a, m), v in roof.items()},
                "autocast": modes, "cpu_bf16": cpu_bf16_support(), "compile": compile_rows,
                "threads_arms": arms, "load_processes": args.load, "load1_at_start": load_start,
                "load1_at_end": os.getloadavg()[0], "threads_comparison": comparison, "grid": grid,
@@ -441,15 +454,17 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                "variant_batch": {"rows": args.rows, "prompt_length": args.prompt_length,
                                  "response_length": args.response_length, "micro_batch": args.micro_batch,
                                  "group_size": args.group_size}}
-    t1 = ["| threads | micro-batch | response len | autocast | fwd+bwd s | resp tok/s | + entropy/Σπ² s | "
-          f"stats overhead | speed-up vs {modes[0]} | max / mean abs dlogp vs {modes[0]} | k3 | kl_seq | load |",
-          "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    t1 = ["| threads | micro-batch | response len | autocast | fwd+bwd s | resp tok/s | GFLOP | % of matmul bound | "
+          f"+ entropy/Σπ² s | stats overhead | speed-up vs {modes[0]} | max / mean abs dlogp vs {modes[0]} | k3 | "
+          "kl_seq | load |",
+          "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for g in grid:
         mm = g.get("mismatch_vs_first_mode")
         gap = ("- | - | -" if mm is None else f"{mm['logprob_max_abs_diff']:.2e} / {mm['logprob_mean_abs_diff']:.2e}"
                f" | {mm['mismatch/k3']:.2e} | {mm['kl_seq']:.2e}")
         t1.append(f"| {g['threads_arm']} ({g['threads']}) | {g['micro_batch']} | {g['response_length']} | "
-                  f"{g['autocast']} | {g['fwd_bwd_s']:.3f} | {g['tokens_per_s']:.0f} | {g['fwd_bwd_stats_s']:.3f} | "
+                  f"{g['autocast']} | {g['fwd_bwd_s']:.3f} | {g['tokens_per_s']:.0f} | {g['matmul_flops'] / 1e9:.1f} | "
+                  f"{100 * g['share_of_matmul_bound']:.0f}% | {g['fwd_bwd_stats_s']:.3f} | "
                   f"{100 * g['stats_overhead']:+.1f}% | {g['speedup_vs_first_mode']:.2f}x | {gap} | "
                   f"{g['load1']:.1f} |")
     t2 = ["| threads | variant | step s | fwd+bwd s | optimizer s | other s | overhead vs plain |",
@@ -469,7 +484,10 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                       f"{', '.join(f'{x:.2f}x' for x in c['fwd_bwd_vs_first'])} | {c['step_s']:.3f} | "
                       f"{c['step_vs_first']:.2f}x |\n" for c in comparison)
     bf16 = ", ".join(k for k, v in cpu_bf16_support().items() if v) or "none"
-    note = (f"\nmodel {args.model}, CPU bf16 instructions: {bf16}, threads {', '.join(f'{a}={count[a]}' for a in arms)}; artificial load "
+    roofs = ", ".join(f"{a} threads {'fp32' if m == 'none' else 'bf16'}: {v / 1e9:.0f}" for (a, m), v in roof.items())
+    note = (f"\nmodel {args.model}, CPU bf16 instructions: {bf16}, threads {', '.join(f'{a}={count[a]}' for a in arms)}; "
+            f"matmul roof (1024^3, best of 5) GFLOP/s {roofs}; GFLOP = matmul/attention FLOPs of one plain "
+            "fwd+bwd (torch FlopCounterMode), % of matmul bound = GFLOP / fwd+bwd s / roof; artificial load "
             f"{args.load} busy process(es); load average {load_start:.2f} at start, {results['load1_at_end']:.2f} "
             f"at end ({os.cpu_count()} CPUs); variants: {args.rows} rows x ({args.prompt_length} prompt + "
             f"{args.response_length} response) tokens, micro-batch {args.micro_batch}, {args.repeats} round-robin "
