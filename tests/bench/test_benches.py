@@ -110,6 +110,8 @@ def test_rollout_quick_reports_bounds(tmp_path, cache_dir):
     for row in res["rows"]:
         assert row["covrl_tok_s"] > 0 and row["generate_tok_s"] > 0
         assert row["roofline_tok_s"] == min(row["bandwidth_bound_tok_s"], row["compute_bound_tok_s"])
+        assert row["matmul_floor_tok_s"] == row["batch"] / row["matmul_floor_step_s"]
+        assert row["covrl_fraction_of_matmul_floor"] > 0
 
 
 def test_rollout_without_vllm_skips_that_side(tmp_path, cache_dir, monkeypatch):

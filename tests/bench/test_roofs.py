@@ -30,3 +30,20 @@ def test_roofs_are_positive_and_finite():
     assert 0 < measure_matmul_flops(64, repeats=2) < float("inf")
     assert 0 < measure_matmul_flops(64, repeats=2, dtype="bfloat16") < float("inf")
     assert 0 < measure_bandwidth(8, repeats=2) < float("inf")
+
+
+def test_decode_matmul_floor_runs_every_linear_layer(monkeypatch):
+    from covrl.bench import rollout_bench
+
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    shapes = []
+    real = torch.nn.functional.linear
+
+    def spy(x, w, *a):
+        shapes.append((tuple(x.shape), tuple(w.shape)))
+        return real(x, w, *a)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", spy)
+    assert rollout_bench.decode_matmul_floor_s(model, batch=3, repeats=1) > 0
+    # two passes (warm-up + one timed), each over both layers at batch 3
+    assert shapes == [((3, 8), (16, 8)), ((3, 16), (4, 16))] * 2

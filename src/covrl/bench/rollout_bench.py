@@ -6,7 +6,9 @@ Limits, per decode step of a batch of B rows (one new token per row):
   bandwidth bound tokens/s = B * bandwidth / bytes read           (bandwidth from a large torch copy)
   compute bound tokens/s   = flops_per_s / (2 * matmul parameters)  (flops from a large fp32 matmul)
 The roofline is the smaller of the two; `fraction` = measured / roofline. Weights read per step are all
-parameters except an untied input embedding (a decode step gathers only B of its rows).
+parameters except an untied input embedding (a decode step gathers only B of its rows). The matmul floor is
+measured, not derived: the step's linear layers alone at batch B through torch's own kernels (see
+`decode_matmul_floor_s`); "% of matmul floor" says how much of a decode step is the weight products.
 
 covrl's sampler, `generate` and (when vLLM is importable) covrl's vLLM sampler are timed alternately (the order
 rotates every repeat) on the same rows of the arithmetic task, with sampling at temperature 1; tokens are the
@@ -77,6 +79,25 @@ def decode_costs(model) -> dict[str, float]:
     kv_bytes_per_position = 2 * cfg.num_hidden_layers * kv_heads * head_dim * emb.element_size()
     return {"weight_bytes": float(weight_bytes), "matmul_params": float(matmul_params),
             "kv_bytes_per_position": float(kv_bytes_per_position), "tied_embeddings": float(tied)}
+
+
+def decode_matmul_floor_s(model, batch: int, repeats: int = 5) -> float:
+    """Seconds of one decode step's weight products alone: every nn.Linear of the model (the LM head included)
+    applied to a (batch, in) input in the weights' dtype, back to back, best of `repeats`. What a decode step
+    could take with no other op and no dispatch overhead on this machine's matmul kernels: a floor measured
+    with the same kernels, beside the copy-bandwidth bound (which no GEMV kernel reaches exactly)."""
+    import torch
+
+    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
+    inputs = [torch.randn(batch, m.in_features, dtype=m.weight.dtype) for m in linears]
+    best = float("inf")
+    with torch.no_grad():
+        for _ in range(repeats + 1):   # the first pass warms the caches and the allocator
+            t0 = time.perf_counter()
+            for m, x in zip(linears, inputs):
+                torch.nn.functional.linear(x, m.weight)
+            best = min(best, time.perf_counter() - t0)
+    return best
 
 
 def _generate_hf(model, tokenizer, prompts, max_new_tokens, seed):
@@ -222,8 +243,10 @@ def run(args: argparse.Namespace) -> int:
         bw_bound = b * bandwidth / step_bytes
         compute_bound = flops / (2 * costs["matmul_params"])
         roofline = min(bw_bound, compute_bound)
+        floor_s = decode_matmul_floor_s(model, b, repeats=2 if args.quick else 5)
         row = {"batch": b, "rows_per_prompt": n, "bandwidth_bound_tok_s": bw_bound, "compute_bound_tok_s": compute_bound,
-               "roofline_tok_s": roofline, "runs": runs}
+               "roofline_tok_s": roofline, "matmul_floor_step_s": floor_s, "matmul_floor_tok_s": b / floor_s,
+               "runs": runs}
         for name, rs in runs.items():
             tok_s = sum(r["tokens"] for r in rs) / sum(r["seconds"] for r in rs)
             steps_s = sum(r["decode_steps"] for r in rs) / sum(r["seconds"] for r in rs)
@@ -231,6 +254,8 @@ def run(args: argparse.Namespace) -> int:
             row[f"{name}_decode_steps_s"] = steps_s
             # decode-step rate x B: the rate if every row were generating (padding after EOS included)
             row[f"{name}_fraction_of_roofline"] = steps_s * b / roofline
+            # the same rate against the measured floor of the step's weight products
+            row[f"{name}_fraction_of_matmul_floor"] = steps_s * floor_s
         if "generate" in runs:
             row["covrl_over_generate"] = row["covrl_tok_s"] / row["generate_tok_s"]
         if first_call is not None:
@@ -268,8 +293,9 @@ def run(args: argparse.Namespace) -> int:
     header = ("| B (rows/prompt) | covrl tok/s | generate tok/s | covrl/generate | "
               + ("vllm tok/s | vllm/generate | vllm/covrl | " if with_vllm else "")
               + "bandwidth bound | compute bound | covrl % of roofline | generate % of roofline | "
-              + ("vllm % of roofline | " if with_vllm else "") + "covrl prefill share | load |\n"
-              + "|---" * (14 if with_vllm else 10) + "|\n")
+              + ("vllm % of roofline | " if with_vllm else "") + "matmul floor tok/s | covrl % of matmul floor | "
+              + "covrl prefill share | load |\n"
+              + "|---" * (16 if with_vllm else 12) + "|\n")
 
     def line(r):
         vllm_cols = (f"{r['vllm_tok_s']:.1f} | {r['vllm_over_generate']:.2f} | {r['vllm_over_covrl']:.2f} | "
@@ -279,6 +305,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{r['covrl_over_generate']:.2f} | {vllm_cols}{r['bandwidth_bound_tok_s']:.0f} | "
                 f"{r['compute_bound_tok_s']:.0f} | {100 * r['covrl_fraction_of_roofline']:.0f}% | "
                 f"{100 * r['generate_fraction_of_roofline']:.0f}% | {vllm_roof}"
+                f"{r['matmul_floor_tok_s']:.0f} | {100 * r['covrl_fraction_of_matmul_floor']:.0f}% | "
                 f"{100 * r['covrl_prefill_share']:.0f}% | {r['mean_load1']:.1f} |")
 
     lines = [] if args.compile == "only" else [line(r) for r in rows]
@@ -289,7 +316,9 @@ def run(args: argparse.Namespace) -> int:
     note = (f"\nmodel {args.model} ({args.dtype}), {args.threads} thread(s), {args.max_new_tokens} new tokens; "
             f"bandwidth {bandwidth / 1e9:.1f} GB/s, matmul {flops / 1e9:.0f} GFLOP/s, "
             f"weights read per step {costs['weight_bytes'] / 2**20:.0f} MiB. {vllm_note}"
-            "% of roofline uses decode steps x B (padding rows after EOS count as work).\n")
+            "% of roofline uses decode steps x B (padding rows after EOS count as work). Matmul floor: every "
+            "linear layer's product at batch B alone, back to back (best of 5), i.e. the step's weight reads "
+            "through this machine's own matmul kernels with no other op or dispatch cost.\n")
     table = "" if args.compile == "only" else header + "\n".join(lines)
     if compiled is not None:
         table += ("\n" if table else "") + compile_table(rows, args.compile_backend)
