@@ -7,6 +7,7 @@ import dataclasses
 from pathlib import Path
 
 from covrl.bench.models import DEFAULT_CACHE
+from covrl.settings import apply_overrides, build_section
 from covrl.tasks import TaskConfig, build_task
 from covrl.train.config import TrainConfig
 
@@ -40,6 +41,8 @@ class StepSettings:
     stop_at_target: bool = True  # False: train on to the budget after reaching the target (the suite's equal time)
     covrl_config: str | None = None  # YAML config for the covrl side (None: the GRPO step of these settings)
     vllm: bool = False  # both sides sample with vLLM: covrl sampler.backend=vllm, TRL use_vllm (colocate)
+    # dotted `section.key=value` overrides of the covrl side's config (e.g. sampler.compile=true), applied last
+    covrl_overrides: tuple[str, ...] = ()
 
     @property
     def batch_size(self) -> int:
@@ -81,4 +84,5 @@ def bench_train_config(settings: StepSettings, **sections):
                  "group_size": settings.group_size},
     }
     data.update(sections)
-    return TrainConfig.model_validate(data)
+    data, sources = apply_overrides(data, list(settings.covrl_overrides))
+    return build_section(TrainConfig, data, source="the benchmark's covrl step", lines={}, overrides=sources)

@@ -44,6 +44,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
     parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps, short completions (tests)")
+    parser.add_argument("--covrl-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override the covrl side's config (repeatable), e.g. sampler.compile=true: covrl "
+                        "with a speed option; the table names every override")
     parser.add_argument("--vllm", action="store_true", help="both sides sample with vLLM (covrl sampler.backend="
                         "vllm, TRL use_vllm colocate); a side that fails gets a row with its error")
 
@@ -56,7 +59,7 @@ def settings_from_args(args: argparse.Namespace) -> StepSettings:
         model=args.model, cache_dir=str(args.cache_dir or DEFAULT_CACHE), threads=args.threads,
         n_prompts=args.prompts, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
         learning_rate=args.lr, warmup_steps=args.warmup_steps, steps=args.steps,
-        task=default_task_overrides(args.model), vllm=args.vllm,
+        task=default_task_overrides(args.model), vllm=args.vllm, covrl_overrides=tuple(args.covrl_set),
     )
 
 
@@ -66,6 +69,10 @@ def _progress(text: str) -> None:
 
 def run(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
+    if settings.covrl_overrides:   # a bad override stops here, before any model loads, naming the key
+        from covrl.bench.covrl_side import covrl_run_config
+
+        covrl_run_config(settings)
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
     unknown = set(sides) - set(WORKERS)
     if unknown:
@@ -109,7 +116,9 @@ def run(args: argparse.Namespace) -> int:
     table += (f"\n\nmodel {settings.model}, {settings.n_prompts} prompts x {settings.group_size} completions, "
               f"{settings.max_new_tokens} new tokens, {settings.threads} thread(s), {settings.steps} timed steps "
               f"after {settings.warmup_steps} warm-up; load1 before {load_before[0]:.1f}"
-              f"{'; both sides sample with vLLM' if settings.vllm else ''}.\n")
-    name = f"trl-{settings.model}" + ("-vllm" if settings.vllm else "") + ("-quick" if args.quick else "")
+              f"{'; both sides sample with vLLM' if settings.vllm else ''}"
+              f"{'; covrl side with ' + ', '.join(settings.covrl_overrides) if settings.covrl_overrides else ''}.\n")
+    name = (f"trl-{settings.model}" + ("-vllm" if settings.vllm else "") + ("-covrl-set" if settings.covrl_overrides
+            else "") + ("-quick" if args.quick else ""))
     write_bench(name, results, table, Path(args.out))
     return 0 if any(summary.values()) else 1
