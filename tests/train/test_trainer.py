@@ -232,3 +232,39 @@ def test_shared_prompt_pass_matches_the_full_forward():
         results.append((fwd.logprobs.detach() * batch.response_mask, [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)
     assert_grads_close(results[0][1], results[1][1], rtol=1e-4, atol=1e-6)
+
+
+def _constant_rewards(batch):
+    return replace(batch, rewards=torch.zeros_like(batch.rewards))
+
+
+@pytest.mark.parametrize("skip", [False, True])
+def test_a_zero_gradient_step_moves_the_weights_only_without_skip_zero_gradient(skip):
+    # an informative step fills AdamW's momentum; a batch whose every group has a constant reward then has a
+    # zero gradient, and AdamW would still move the weights along that momentum
+    model = make_model()
+    trainer = Trainer(model, tiny_cfg(**{"optim.skip_zero_gradient": skip}))
+    assert trainer.step(synthetic_batch(model))["grad_norm"] > 0
+    before = [p.detach().clone() for p in model.parameters()]
+    state_before = {k: v.clone() for k, v in trainer.optimizer.state[trainer.params[0]].items()}
+    m = trainer.step(_constant_rewards(synthetic_batch(model, seed=1)))
+    assert m["grad_norm"] == 0.0 and m["skipped"] == 0.0
+    unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
+    assert unchanged is skip
+    assert m["no_signal_step"] == float(skip) and m["no_signal_steps"] == float(skip)
+    assert trainer.version == (1 if skip else 2) and trainer.optimizer_steps == trainer.version
+    assert trainer.rollouts == 2 * len(synthetic_batch(model))   # the data clock counts the batch either way
+    if skip:   # the optimizer's state is untouched too: the next informative step is as if the batch never came
+        state_after = trainer.optimizer.state[trainer.params[0]]
+        assert all(torch.equal(state_before[k], state_after[k]) for k in state_before)
+
+
+def test_skip_zero_gradient_keeps_informative_steps_and_survives_a_checkpoint():
+    model = make_model()
+    trainer = Trainer(model, tiny_cfg(**{"optim.skip_zero_gradient": True}))
+    trainer.step(_constant_rewards(synthetic_batch(model)))
+    m = trainer.step(synthetic_batch(model, seed=1))
+    assert m["grad_norm"] > 0 and m["no_signal_step"] == 0.0 and trainer.version == 1
+    again = Trainer(make_model(), tiny_cfg(**{"optim.skip_zero_gradient": True}))
+    again.load_state_dict(trainer.state_dict())
+    assert again.no_signal_steps == 1 and again.version == 1

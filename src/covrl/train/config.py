@@ -129,6 +129,10 @@ class OptimConfig(Section):
     share_prompts: bool = Field(True, description="run a group's shared prompt once per micro-batch (its KV "
                                                   "cache is indexed out to the rows; same values, less compute)")
     max_bad_steps: int = Field(3, ge=1, description="stop after this many skipped (non-finite) steps in a row")
+    skip_zero_gradient: bool = Field(False, description="leave the weights as they are when the step's gradient "
+                                     "is exactly zero (no learning signal: every group's reward constant and no "
+                                     "KL/entropy term): no AdamW momentum or weight-decay move, no new policy "
+                                     "version; counted in `no_signal_steps`")
 
     @field_validator("betas")
     @classmethod

@@ -183,6 +183,7 @@ class Trainer:
         self.rollouts = 0
         self.version = 0
         self.optimizer_steps = 0
+        self.no_signal_steps = 0   # zero-gradient steps left out under optim.skip_zero_gradient
         self.bad_steps = 0
         self.last_skip_reason: str | None = None
         self._compiled: tuple[str, torch.nn.Module] | None = None   # (backend, torch.compile wrapper of the model)
@@ -350,12 +351,18 @@ class Trainer:
         if not math.isfinite(grad_norm):
             self.optimizer.zero_grad(set_to_none=True)
             return self._skip(metrics, f"non-finite gradient norm ({grad_norm})", t_start)
-        for group in self.optimizer.param_groups:
-            group["lr"] = lr
-        self.optimizer.step()
+        # a zero gradient carries no signal; AdamW would still move the weights along its momentum (and decay
+        # them), i.e. repeat the last informative batch's direction without new evidence
+        no_signal = grad_norm == 0.0 and cfg.optim.skip_zero_gradient
+        if no_signal:
+            self.no_signal_steps += 1
+        else:
+            for group in self.optimizer.param_groups:
+                group["lr"] = lr
+            self.optimizer.step()
+            self.optimizer_steps += 1
+            self.version += 1
         self.optimizer.zero_grad(set_to_none=True)
-        self.optimizer_steps += 1
-        self.version += 1
         self.bad_steps = 0
         t_end = time.perf_counter()
 
@@ -365,7 +372,8 @@ class Trainer:
             metrics.update(self.noise.update(grad_norm_sq=grad_norm ** 2, micro_grad_norms_sq=micro.norms_sq,
                                              micro_batch_sizes=micro.sizes, micro_scaled=True))
         metrics.update({
-            "loss": loss_total, "grad_norm": grad_norm, "skipped": 0.0,
+            "loss": loss_total, "grad_norm": grad_norm, "skipped": 0.0, "no_signal_step": float(no_signal),
+            "no_signal_steps": float(self.no_signal_steps),
             "time/forward_backward": t_opt - t_fb, "time/optimizer": t_end - t_opt,
             "time/trainer_step": t_end - t_start, "policy_version": float(self.version),
             "rollouts": float(self.rollouts), "optimizer_steps": float(self.optimizer_steps),
@@ -637,7 +645,7 @@ class Trainer:
         return {"optimizer": optimizer, "surge": self.surge.state_dict(),
                 "noise": None if self.noise is None else self.noise.state_dict(),
                 "rollouts": self.rollouts, "version": self.version, "optimizer_steps": self.optimizer_steps,
-                "bad_steps": self.bad_steps}
+                "bad_steps": self.bad_steps, "no_signal_steps": self.no_signal_steps}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         optimizer = state["optimizer"]
@@ -654,6 +662,7 @@ class Trainer:
         self.version = int(state["version"])
         self.optimizer_steps = int(state["optimizer_steps"])
         self.bad_steps = int(state["bad_steps"])
+        self.no_signal_steps = int(state.get("no_signal_steps", 0))   # checkpoints from before the option
 
 
 def batch_metrics(batch: ScoredBatch) -> dict[str, float]:
