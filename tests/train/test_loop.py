@@ -44,6 +44,8 @@ def test_tiny_run_writes_the_run_folder(tmp_path):
     assert {"greedy", "sampled", "settings"} <= set(evals[0])
     assert summary["status"] == "completed" and summary["eval_after"]["greedy"] == evals[1]["greedy"]["accuracy"]
     assert summary["versions"]["torch"] and "commit" in summary["git"]
+    # the CPU model and its bf16 support: results at fixed threads differ across CPU models
+    assert {"cpu_model", "cpu_capability", "cpu_bf16"} <= set(summary["versions"])
     saved = json.loads((d / "summary.json").read_text())
     assert saved["steps"] == 3 and saved["rollouts"] == 48
     names = [p.name for p in ckpt.list_checkpoints(d)]

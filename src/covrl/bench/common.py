@@ -23,12 +23,11 @@ def machine_description() -> dict[str, Any]:
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
     }
+    from covrl.models.precision import cpu_bf16_support, cpu_model
+
+    info["cpu_model"] = cpu_model()
+    info["cpu_bf16"] = cpu_bf16_support()
     try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    info["cpu_model"] = line.split(":", 1)[1].strip()
-                    break
         with open("/proc/meminfo") as f:
             info["mem_total_kb"] = int(f.readline().split()[1])
     except OSError:

@@ -43,6 +43,17 @@ def cpu_bf16_support() -> dict[str, bool]:
     return {"avx512_bf16": bool(caps.get("avx512_bf16", False)), "amx_bf16": bool(caps.get("amx_bf16", False))}
 
 
+def cpu_model() -> str | None:
+    """The CPU's model name (/proc/cpuinfo), None where it cannot be read. Results at a fixed thread count are
+    bit-identical on one CPU model but not across models (their BLAS kernels round differently), so run records
+    carry it."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), None)
+    except OSError:
+        return None
+
+
 def check_autocast(mode: str, device: str | torch.device = "cpu") -> None:
     """Raise for an unknown mode (naming trainer.autocast); warn when bf16 autocast would be emulated: a CPU
     without avx512_bf16 / amx_bf16, or a GPU without bf16 support."""

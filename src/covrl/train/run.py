@@ -55,7 +55,12 @@ def seed_everything(seed: int) -> None:
 def versions() -> dict[str, str]:
     import importlib.metadata as md
 
-    out = {"python": platform.python_version(), "platform": platform.platform()}
+    from covrl.models.precision import cpu_bf16_support, cpu_model
+
+    # the CPU too: its kernels decide float rounding, so the same seed and threads differ across CPU models
+    out = {"python": platform.python_version(), "platform": platform.platform(), "cpu_model": cpu_model(),
+           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+           "cpu_bf16": ",".join(k for k, v in cpu_bf16_support().items() if v) or "none"}
     for pkg in ("covrl", "torch", "transformers", "peft", "pydantic", "numpy"):
         try:
             out[pkg] = md.version(pkg)
