@@ -484,7 +484,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                       f"{', '.join(f'{x:.2f}x' for x in c['fwd_bwd_vs_first'])} | {c['step_s']:.3f} | "
                       f"{c['step_vs_first']:.2f}x |\n" for c in comparison)
     bf16 = ", ".join(k for k, v in cpu_bf16_support().items() if v) or "none"
-    roofs = ", ".join(f"{a} threads {'fp32' if m == 'none' else 'bf16'}: {v / 1e9:.0f}" for (a, m), v in roof.items())
+    roofs = ", ".join(f"{a} threads, {m} ({'fp32' if m == 'none' else 'bf16'}): {v / 1e9:.0f}" for (a, m), v in roof.items())
     note = (f"\nmodel {args.model}, CPU bf16 instructions: {bf16}, threads {', '.join(f'{a}={count[a]}' for a in arms)}; "
             f"matmul roof (1024^3, best of 5) GFLOP/s {roofs}; GFLOP = matmul/attention FLOPs of one plain "
             "fwd+bwd (torch FlopCounterMode), % of matmul bound = GFLOP / fwd+bwd s / roof; artificial load "
