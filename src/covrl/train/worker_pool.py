@@ -364,6 +364,7 @@ class ProcessPool(DispatchPool):
         if old.is_alive():
             old.terminate()
         old.join(timeout=30)
+        _abandon(self.inboxes[rank])
         self.inboxes[rank] = self.ctx.Queue()   # requests queued for the dead process must not reach the new one
         self._starting.add(rank)
         self.procs[rank] = self._spawn(rank)
@@ -443,6 +444,17 @@ class ProcessPool(DispatchPool):
             p.join(timeout=30)
             if p.is_alive():
                 p.terminate()
+        for q in (*self.inboxes, self.outbox):
+            _abandon(q)
+
+
+def _abandon(q) -> None:
+    """Let a multiprocessing queue go without waiting for its feeder thread. A put to a process that was killed
+    (weights bytes larger than the pipe's buffer) leaves the feeder blocked on a pipe nobody reads, and the
+    queue's exit hook joins that thread: the interpreter would never exit (seen as a hung pytest after its
+    summary line)."""
+    q.cancel_join_thread()
+    q.close()
 
     def stop(self) -> None:
         super().stop()
