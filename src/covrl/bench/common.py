@@ -15,6 +15,8 @@ from typing import Any
 def machine_description() -> dict[str, Any]:
     import torch
 
+    from covrl.models.precision import cpu_bf16_support, cpu_model
+
     info: dict[str, Any] = {
         "platform": platform.platform(),
         "processor": platform.processor(),
@@ -22,11 +24,9 @@ def machine_description() -> dict[str, Any]:
         "python": platform.python_version(),
         "torch": torch.__version__,
         "torch_threads": torch.get_num_threads(),
+        "cpu_model": cpu_model(),
+        "cpu_bf16": cpu_bf16_support(),
     }
-    from covrl.models.precision import cpu_bf16_support, cpu_model
-
-    info["cpu_model"] = cpu_model()
-    info["cpu_bf16"] = cpu_bf16_support()
     try:
         with open("/proc/meminfo") as f:
             info["mem_total_kb"] = int(f.readline().split()[1])
@@ -99,6 +99,7 @@ def measure_matmul_flops(size: int = 1024, repeats: int = 5, dtype: str = "float
         a @ b
         best = max(best, 2 * size**3 / (time.perf_counter() - t0))
     return best
+
 
 def count_flops(fn) -> float:
     """FLOPs of one call of `fn()` (forward and backward alike), as torch's FlopCounterMode counts them:

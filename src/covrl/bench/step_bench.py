@@ -305,14 +305,6 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
     model, tokenizer = load_model(args.model, args.cache_dir or DEFAULT_CACHE)
     model.train()
     vocab = model.config.vocab_size
-    # the matmul roof at each thread count, for the grid's share-of-bound column
-    roof = {}
-    for arm in arms:
-        use(arm)
-        for mode in modes:
-            roof[arm, mode] = measure_matmul_flops(256 if args.quick else 1024,
-                                                   dtype="float32" if mode == "none" else "bfloat16")
-    use(arms[0])
     if args.compile == "only":
         rows = compile_grid(model, vocab, args)
         results = {"source": source_state(), "model": args.model, "threads": count[arms[0]],
@@ -322,6 +314,15 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
         write_bench(f"step-compile-{args.model}" + ("-quick" if args.quick else ""), results,
                     compile_table(rows, args.compile_backend) + note, Path(args.out))
         return 0
+
+    # the matmul roof per thread count and compute dtype (the bf16 modes share one), for the share-of-bound column
+    dtypes = {mode: "float32" if mode == "none" else "bfloat16" for mode in modes}
+    roof = {}
+    for arm in arms:
+        use(arm)
+        for dtype in dict.fromkeys(dtypes.values()):   # each once, in mode order
+            roof[arm, dtype] = measure_matmul_flops(256 if args.quick else 1024, dtype=dtype)
+    use(arms[0])
 
     # 1. forward+backward grid, with/without the per-token statistics, alternating over the thread counts and
     #    the autocast modes
@@ -358,8 +359,8 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                            "tokens_per_s_stats": mb * length / full,
                            "all_tokens_per_s": mb * (length + args.prompt_length) / plain,
                            "stats_overhead": full / plain - 1.0, "speedup_vs_first_mode": base_s / plain,
-                           "matmul_flops": flops, "matmul_roof_flop_s": roof[arm, mode],
-                           "share_of_matmul_bound": flops / plain / roof[arm, mode],
+                           "matmul_flops": flops, "matmul_roof_flop_s": roof[arm, dtypes[mode]],
+                           "share_of_matmul_bound": flops / plain / roof[arm, dtypes[mode]],
                            "load1": statistics.median(loads[arm])}
                     if mode != modes[0]:
                         row["mismatch_vs_first_mode"] = autocast_mismatch(lps[modes[0]], lps[mode],
@@ -446,7 +447,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                            "step_s": step["step_s"], "step_vs_first": step["step_s"] / ref_step["step_s"]})
 
     results = {"source": source_state(), "model": args.model, "threads": [count[a] for a in arms],
-               "matmul_roof_flop_s": {f"{a}/{m}": v for (a, m), v in roof.items()},
+               "matmul_roof_flop_s": {f"{a}/{d}": v for (a, d), v in roof.items()},
                "autocast": modes, "cpu_bf16": cpu_bf16_support(), "compile": compile_rows,
                "threads_arms": arms, "load_processes": args.load, "load1_at_start": load_start,
                "load1_at_end": os.getloadavg()[0], "threads_comparison": comparison, "grid": grid,
@@ -484,7 +485,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                       f"{', '.join(f'{x:.2f}x' for x in c['fwd_bwd_vs_first'])} | {c['step_s']:.3f} | "
                       f"{c['step_vs_first']:.2f}x |\n" for c in comparison)
     bf16 = ", ".join(k for k, v in cpu_bf16_support().items() if v) or "none"
-    roofs = ", ".join(f"{a} threads, {m} ({'fp32' if m == 'none' else 'bf16'}): {v / 1e9:.0f}" for (a, m), v in roof.items())
+    roofs = ", ".join(f"{a} thread(s) {d}: {v / 1e9:.0f}" for (a, d), v in roof.items())
     note = (f"\nmodel {args.model}, CPU bf16 instructions: {bf16}, threads {', '.join(f'{a}={count[a]}' for a in arms)}; "
             f"matmul roof (1024^3, best of 5) GFLOP/s {roofs}; GFLOP = matmul/attention FLOPs of one plain "
             "fwd+bwd (torch FlopCounterMode), % of matmul bound = GFLOP / fwd+bwd s / roof; artificial load "
