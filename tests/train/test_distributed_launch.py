@@ -130,6 +130,18 @@ def test_killed_rank_stops_the_run_and_resume_loses_nothing(tmp_path, straight):
 
 
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
+def test_a_native_abort_in_a_rank_prints_its_python_stack(tmp_path):
+    """A rank that dies of SIGABRT (as a C++ std::terminate in torch or gloo does: one line, "terminate called
+    ...") leaves its Python stack in the run's stderr: faulthandler is on in every rank of a distributed run."""
+    run = _covrl(["--config", str(CONFIG), *OVERRIDES, f"run.output_dir={tmp_path}", "loop.steps=2",
+                  "trainer.parallel=ddp", "trainer.timeout_s=60", "--name", "aborted"], ranks=2, cwd=tmp_path,
+                 env={"COVRL_FAULT": "backward:1:abort", "COVRL_FAULT_RANK": "1"}, timeout=120)
+    assert run.returncode == 1, (run.returncode, run.stderr[-3000:])
+    assert "Fatal Python error: Aborted" in run.stderr, run.stderr[-3000:]
+    assert 'trainer.py", line' in run.stderr and "in step" in run.stderr, run.stderr[-3000:]   # where it died
+
+
+@pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_torchrun_async_loop_equals_sync_and_resumes(tmp_path, straight, mode):
     """loop.mode=async (the thread pool of samplers on rank 0, unchanged) with a 2-rank trainer at staleness 0
@@ -138,7 +150,7 @@ def test_torchrun_async_loop_equals_sync_and_resumes(tmp_path, straight, mode):
     base = ["--config", str(CONFIG), *OVERRIDES, f"run.output_dir={tmp_path}", "loop.mode=async",
             "async_loop.max_staleness_steps=0"]
     two = _covrl([*base, "loop.steps=2", f"trainer.parallel={mode}", "--name", "async"], ranks=2, cwd=tmp_path)
-    assert two.returncode == 0, two.stderr[-3000:]
+    assert two.returncode == 0, (two.stdout[-2000:], two.stderr[-6000:])   # faulthandler's stacks on an abort
     summary = json.loads((tmp_path / "async" / "summary.json").read_text())
     assert summary["trainer"] == {"parallel": mode, "world_size": 2}
     resumed = _covrl(["--resume", "--name", str(tmp_path / "async"), "loop.steps=3", "trainer.parallel=none"],

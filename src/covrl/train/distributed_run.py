@@ -17,6 +17,7 @@ as they are: they run on rank 0 only.
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import signal
 import sys
 import threading
@@ -41,6 +42,9 @@ def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bo
     if fsdp2:   # the sampler cannot run the sharded model: it keeps its own copy, fed by a gather
         cfg.sampler.share_weights = "never"
     rank, world = init_process_group(cfg.trainer, cfg.run.device)
+    if world > 1 and not faulthandler.is_enabled():
+        # a native abort in one rank (gloo, a C++ terminate) otherwise leaves one line and no Python stack
+        faulthandler.enable(all_threads=True)
     channel = Channel()
     try:
         if rank != 0:

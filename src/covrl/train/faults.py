@@ -6,6 +6,7 @@ The hooks are inert unless the environment asks for a fault, so production runs 
         at the n-th call of `fault_point(point)` in this process (n >= 1), do <action>:
           kill    (default) SIGKILL this process: no cleanup, no atexit, no flush -- what `kill -9` does
           enospc  raise OSError(ENOSPC, "No space left on device") at that spot (a full disk)
+          abort   SIGABRT this process (os.abort): a native crash, as a C++ std::terminate in torch or gloo is
     COVRL_FAULT_RANK=<k>
         only the process whose RANK (torchrun's environment) is k injects: one rank of a distributed run dies
     COVRL_FAULT_TRACE=<file>
@@ -38,7 +39,7 @@ ENV = "COVRL_FAULT"
 RANK_ENV = "COVRL_FAULT_RANK"
 TRACE_ENV = "COVRL_FAULT_TRACE"
 POINTS = ("generate", "backward", "checkpoint-write", "checkpoint-commit")
-ACTIONS = ("kill", "enospc")
+ACTIONS = ("kill", "enospc", "abort")
 
 
 class FaultSpecError(ValueError):
@@ -107,6 +108,8 @@ def fault_point(point: str) -> None:
         return
     if target[1] == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV} at {point}:{hit})")
+    if target[1] == "abort":
+        os.abort()
     if hasattr(signal, "SIGKILL"):
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(137)  # pragma: no cover - platforms without SIGKILL
