@@ -131,6 +131,35 @@ def test_suite_writes_one_json_per_run_resumes_and_summarises_them(tmp_path, mon
     assert "**< 0.33**" in table and "**1.36**" in table
 
 
+def test_covrl_set_changes_only_the_covrl_side_and_its_run_key(tmp_path, monkeypatch, capsys):
+    calls: list = []
+    monkeypatch.setattr(suite, "run_alternating", fake_alternating(calls))
+    out = tmp_path / "out"
+    base = ("--quick", "--tasks", "mul1", "--seeds", "0", "--out", str(out), "--cache-dir", str(tmp_path / "cache"))
+    assert suite.run(parse(*base)) == 0
+    cfg = json.loads((out / "mul1-seed0-covrl.json").read_text())["covrl_config"]
+    assert cfg["loop"]["dynamic_sampling"] is False
+    # a candidate default: the stored TRL run is reused, the covrl run is not (its key names the override)
+    (out / "mul1-seed0-covrl.json").unlink()
+    calls.clear()
+    candidate = (*base, "--covrl-set", "loop.dynamic_sampling=true", "--covrl-set", "loop.dynamic_sampling_max_rounds=9")
+    assert suite.run(parse(*candidate)) == 0
+    assert calls == [("arithmetic", 0, ("covrl",))]
+    payload = json.loads((out / "mul1-seed0-covrl.json").read_text())
+    assert payload["covrl_config"]["loop"]["dynamic_sampling"] is True
+    assert payload["covrl_config"]["loop"]["dynamic_sampling_max_rounds"] == 9
+    assert payload["run_key"]["covrl_set"] == ["loop.dynamic_sampling=true", "loop.dynamic_sampling_max_rounds=9"]
+    assert "covrl_set" not in json.loads((out / "mul1-seed0-trl.json").read_text())["run_key"]
+    assert "loop.dynamic_sampling=true" in (out / "suite.md").read_text()
+    assert suite.run(parse(*base)) == 2     # the covrl run made with the override is not mixed with plain ones
+    # a misspelt key stops before any run, naming it
+    calls.clear()
+    capsys.readouterr()
+    assert suite.run(parse(*base, "--out", str(tmp_path / "x"), "--covrl-set", "loop.dynamic_samplin=true")) == 2
+    assert calls == [] and "dynamic_samplin" in capsys.readouterr().err
+    assert suite.run(parse(*base, "--out", str(tmp_path / "x"), "--covrl-set", "loop")) == 2
+
+
 def test_suite_refuses_unknown_tasks(tmp_path):
     assert suite.run(parse("--tasks", "mul1,nope", "--out", str(tmp_path))) == 2
 

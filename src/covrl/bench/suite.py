@@ -44,6 +44,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--stop-at-target", action="store_true", help="stop a side at the target instead of "
                         "training to the budget (faster; final accuracy is then the one at the target)")
     parser.add_argument("--out", default="benchmarks/suite", help="folder for the per-run JSONs + suite.md")
+    parser.add_argument("--covrl-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
+                        help="override the covrl side's config after the task (repeatable): a candidate default, "
+                        "e.g. loop.dynamic_sampling=true; stored in each run's key and named in suite.md")
     parser.add_argument("--quick", action="store_true", help=f"tiny model, configs/tiny.yaml, two steps per side, "
                         f"tasks {QUICK_TASKS} unless --tasks is given (tests)")
 
@@ -56,21 +59,32 @@ def result_path(out: Path, task: str, seed: int, side: str) -> Path:
     return out / f"{task}-seed{seed}-{side}.json"
 
 
-def task_config(task: str, seed: int, quick: bool, cache: str):
-    """The covrl side's run: configs/default.yaml (--quick: the tiny quick config) with the task's overrides and
-    run.seed = seed; nothing else changed."""
-    overrides = {**SUITE_TASKS[task].overrides, "run.seed": seed}
+def covrl_set_overrides(items: list[str]) -> dict[str, str]:
+    """--covrl-set's `key=value` strings as load_config overrides (values parsed there, as on the command line)."""
+    bad = [item for item in items if "=" not in item or not item.split("=", 1)[0].strip()]
+    if bad:
+        raise ValueError(f"--covrl-set {bad[0]!r}: expected SECTION.KEY=VALUE")
+    return dict(item.split("=", 1) for item in items)
+
+
+def task_config(task: str, seed: int, quick: bool, cache: str, covrl_set: tuple[str, ...] = ()):
+    """The covrl side's run: configs/default.yaml (--quick: the tiny quick config) with the task's overrides,
+    run.seed = seed and `covrl_set` (--covrl-set); nothing else changed."""
+    overrides = {**SUITE_TASKS[task].overrides, "run.seed": seed, **covrl_set_overrides(list(covrl_set))}
     if quick:
         return quick_config(str(model_dir("tiny", cache)), overrides)
     return load_preset("default", overrides)
 
 
-def run_key(args: argparse.Namespace, task: str) -> dict:
+def run_key(args: argparse.Namespace, task: str, side: str) -> dict:
     """What makes a stored run comparable with this invocation's: a resumed suite with other settings would mix
     incomparable runs in one table, so it is refused instead."""
     keys = ("quick", "target", "budget_s", "eval_interval_s", "stop_at_target", "eval_prompts", "max_new_tokens",
             "threads", "trl_prompts", "trl_group_size", "trl_lr")
-    return {"task_overrides": SUITE_TASKS[task].overrides, **{k: getattr(args, k) for k in keys}}
+    key = {"task_overrides": SUITE_TASKS[task].overrides, **{k: getattr(args, k) for k in keys}}
+    if args.covrl_set and side == "covrl":   # absent when empty: runs stored before the option stay comparable
+        key["covrl_set"] = list(args.covrl_set)
+    return key
 
 
 def _write_json(path: Path, payload: dict) -> None:
@@ -82,7 +96,7 @@ def _write_json(path: Path, payload: dict) -> None:
 def run_pair(args: argparse.Namespace, task: str, seed: int, sides: list[str], out: Path) -> list[Path]:
     """Run `sides` of (task, seed) alternately and write one JSON per side."""
     cache = str(args.cache_dir or DEFAULT_CACHE)
-    cfg = task_config(task, seed, args.quick, cache)
+    cfg = task_config(task, seed, args.quick, cache, tuple(args.covrl_set))
     config_path = out / "configs" / f"{task}-seed{seed}.yaml"   # kept: the record of what covrl ran
     config_path.parent.mkdir(parents=True, exist_ok=True)
     config_path.write_text(dump_config(cfg))
@@ -93,7 +107,7 @@ def run_pair(args: argparse.Namespace, task: str, seed: int, sides: list[str], o
                              progress=lambda text: print(f"[{task} seed {seed}] {text}", file=sys.stderr, flush=True))
     paths = []
     for side in sides:
-        payload = {"name": "suite", "task": task, "seed": seed, "side": side, "run_key": run_key(args, task),
+        payload = {"name": "suite", "task": task, "seed": seed, "side": side, "run_key": run_key(args, task, side),
                    "task_overrides": SUITE_TASKS[task].overrides, "quick": args.quick,
                    "target": args.target, "budget_s": args.budget_s, "eval_interval_s": args.eval_interval_s,
                    "stop_at_target": args.stop_at_target, "settings": vars(per_side[side]),
@@ -195,6 +209,13 @@ def run(args: argparse.Namespace) -> int:
             args.tasks = QUICK_TASKS
         set_quick(args)
     tasks, seeds, sides = _list(args.tasks), [int(s) for s in _list(args.seeds)], _list(args.sides)
+    try:   # a bad override stops here, before any model loads, naming the key
+        for task in tasks[:1]:
+            task_config(task, seeds[0] if seeds else 0, args.quick, str(args.cache_dir or DEFAULT_CACHE),
+                        tuple(args.covrl_set))
+    except (ValueError, KeyError) as err:
+        print(f"covrl bench suite: {err}", file=sys.stderr)
+        return 2
     unknown = [t for t in tasks if t not in SUITE_TASKS] + [s for s in sides if s not in SIDES]
     if unknown:
         print(f"unknown task/side {unknown}; tasks: {', '.join(SUITE_TASKS)}; sides: {', '.join(SIDES)}",
@@ -203,9 +224,9 @@ def run(args: argparse.Namespace) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for task in tasks:   # every stored run must have been made with these settings (before any new run)
-        for path in (result_path(out, task, seed, side) for seed in seeds for side in sides):
-            stored = json.loads(path.read_text())["run_key"] if path.exists() else run_key(args, task)
-            if stored != (key := run_key(args, task)):
+        for path, side in ((result_path(out, task, seed, side), side) for seed in seeds for side in sides):
+            stored = json.loads(path.read_text())["run_key"] if path.exists() else run_key(args, task, side)
+            if stored != (key := run_key(args, task, side)):
                 diff = {k: (stored.get(k), v) for k, v in key.items() if stored.get(k) != v}
                 print(f"{path} was made with other settings {diff} (stored, now); use another --out",
                       file=sys.stderr)
@@ -229,7 +250,8 @@ def write_summary(out: Path, tasks: list[str], seeds: list[int], sides: list[str
             f"{args.eval_prompts} held-out prompts, evaluated every {args.eval_interval_s:g} s of training "
             f"time, budget {args.budget_s:g} s per side and run, {args.threads} thread(s) each; TRL "
             f"{args.trl_prompts} x {args.trl_group_size}, lr {args.trl_lr:g}; covrl configs/default.yaml + "
-            f"the task. {len(payloads)} runs present.\n\n")
+            f"the task{' + ' + ', '.join(args.covrl_set) if args.covrl_set else ''}. {len(payloads)} runs "
+            f"present.\n\n")
     (out / "suite.md").write_text(head + table)
     (out / "suite-summary.json").write_text(json.dumps(summaries, indent=2))
     if echo:
