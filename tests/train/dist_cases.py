@@ -46,8 +46,11 @@ CASES: dict[str, tuple[dict, dict]] = {
     "noise-micro": ({"logging.noise_scale": True, "optim.micro_batch_size": 4, "optim.max_grad_norm": None}, {}),
     # one micro-batch per rank: one process halves the batch [g0 g1] | [g2], the ranks split it [g0] | [g1 g2]
     "noise-shards": ({"logging.noise_scale": True, "optim.max_grad_norm": None}, {}),
+    # measured every 2nd step: the ranks agree on which (the unmeasured step runs no gather collective)
+    "noise-every": ({"logging.noise_scale": True, "logging.noise_scale_every": 2, "optim.micro_batch_size": 4,
+                     "optim.max_grad_norm": None}, {}),
 }
-NOISE_SAME_SPLIT = {"noise-micro"}   # cases whose noise/* metrics equal one process's
+NOISE_SAME_SPLIT = {"noise-micro", "noise-every"}   # cases whose noise/* metrics equal one process's
 
 
 def make_model(seed=0):

@@ -99,3 +99,38 @@ def test_noise_triggered_lr_decay_follows_the_logged_noise_ema():
         fired += int(m["lr_surge/triggered"])
         scale_before = m["lr_surge/scale"]
     assert fired >= 1 and trainer.surge.scale < 1.0   # the trigger fired on the noise signal
+
+
+def test_noise_scale_every_measures_only_every_kth_step_and_leaves_the_rest_unsplit():
+    """logging.noise_scale_every=2: versions 0, 2 measure (split into halves, noise/* logged), version 1 runs
+    unsplit with noise/signal only, its gradient bit-identical to a step with the monitor off; every=1 is the
+    default and measures every step."""
+    model = make_model()
+    batch = synthetic_batch(model, groups=3, group_size=4, seed=5)
+    base = {"optim.max_grad_norm": None, "optim.micro_batch_size": 32}
+    assert tiny_cfg(**base).logging.noise_scale_every == 1
+    trainer = Trainer(make_model(), tiny_cfg(**base, **{"logging.noise_scale_every": 2}))
+    seen = []
+    for _ in range(3):
+        metrics = trainer.step(batch)
+        seen.append(("noise/trace_sigma" in metrics, "noise/signal" in metrics))
+    assert seen == [(True, True), (False, True), (True, True)]
+    # an unmeasured step is the monitor-off step, bit for bit (one pass, no halves)
+    def grads_at_version_1(cfg):
+        t = Trainer(make_model(), cfg)
+        t.version = 1
+        captured = []
+        t.optimizer.step = lambda *a, **k: captured.append([p.grad.detach().clone() for p in t.params])
+        t.step(batch)
+        return captured[0]
+
+    every = grads_at_version_1(tiny_cfg(**base, **{"logging.noise_scale_every": 2}))
+    off = grads_at_version_1(tiny_cfg(**base, **{"logging.noise_scale": False}))
+    measured = grads_at_version_1(tiny_cfg(**base))   # split in halves: equal up to rounding, not bitwise
+    assert all(torch.equal(a, b) for a, b in zip(every, off))
+    assert_grads_close(measured, off, rtol=1e-5, atol=1e-7)
+
+
+def test_noise_trigger_refuses_a_sparse_noise_measurement():
+    with pytest.raises(ValueError, match="noise_scale_every=1"):
+        tiny_cfg(**{"lr_surge.enabled": True, "lr_surge.trigger": "noise", "logging.noise_scale_every": 3})

@@ -277,7 +277,7 @@ class Trainer:
             torch.zeros_like(full_lp))
         loss_total = 0.0
         loss_metrics: dict[str, float] = {}
-        micro = _MicroNorms(self.params, alg.agg_mode) if self.noise is not None else None
+        micro = _MicroNorms(self.params, alg.agg_mode) if self._measures_noise() else None
         fmodel = self.model if par is None else par.module
         share_prompts = self.cfg.optim.share_prompts and (par is None or par.mode != "fsdp2")  # fsdp2: 1 fwd each
         compiling = cfg.trainer.compile
@@ -369,8 +369,10 @@ class Trainer:
         metrics.update(loss_metrics)
         metrics.update(self._batch_diagnostics(batch, rewards, full_lp, full_ent, full_sps, pieces, prepass))
         if self.noise is not None:
-            metrics.update(self.noise.update(grad_norm_sq=grad_norm ** 2, micro_grad_norms_sq=micro.norms_sq,
-                                             micro_batch_sizes=micro.sizes, micro_scaled=True))
+            metrics.update(self.noise.update(grad_norm_sq=grad_norm ** 2,
+                                             micro_grad_norms_sq=None if micro is None else micro.norms_sq,
+                                             micro_batch_sizes=None if micro is None else micro.sizes,
+                                             micro_scaled=True))
         metrics.update({
             "loss": loss_total, "grad_norm": grad_norm, "skipped": 0.0, "no_signal_step": float(no_signal),
             "no_signal_steps": float(self.no_signal_steps),
@@ -473,6 +475,11 @@ class Trainer:
         out.update({k: s * float(v) for s, k, v in zip(sign, extreme, maxes)})
         return float(sums[0]), bad, out
 
+    def _measures_noise(self) -> bool:
+        """Whether this step measures the noise split: every `logging.noise_scale_every`-th optimizer step, by
+        the policy version (checkpointed, and equal on every rank, whose collectives must agree)."""
+        return self.noise is not None and self.version % self.cfg.logging.noise_scale_every == 0
+
     def _plan(self, batch: RolloutBatch, own: list[int] | None = None) -> tuple[list[list[int]], bool]:
         """Micro-batches of at most `optim.micro_batch_size` rows made of whole groups (aligned=True), or
         plain chunks when a group is larger than a micro-batch (aligned=False); of the rows `own` (a rank's
@@ -494,7 +501,7 @@ class Trainer:
             current = current + g
         if current:
             plan.append(current)
-        if self.noise is not None and own is None and len(plan) == 1 and len(groups) >= 2:
+        if self._measures_noise() and own is None and len(plan) == 1 and len(groups) >= 2:
             plan = _halves(list(groups.values()))   # two batch sizes for the noise estimate, same total gradient
         return plan, True
 
