@@ -209,18 +209,17 @@ def run(args: argparse.Namespace) -> int:
             args.tasks = QUICK_TASKS
         set_quick(args)
     tasks, seeds, sides = _list(args.tasks), [int(s) for s in _list(args.seeds)], _list(args.sides)
-    try:   # a bad override stops here, before any model loads, naming the key
-        for task in tasks[:1]:
-            task_config(task, seeds[0] if seeds else 0, args.quick, str(args.cache_dir or DEFAULT_CACHE),
-                        tuple(args.covrl_set))
-    except (ValueError, KeyError) as err:
-        print(f"covrl bench suite: {err}", file=sys.stderr)
-        return 2
     unknown = [t for t in tasks if t not in SUITE_TASKS] + [s for s in sides if s not in SIDES]
     if unknown:
         print(f"unknown task/side {unknown}; tasks: {', '.join(SUITE_TASKS)}; sides: {', '.join(SIDES)}",
               file=sys.stderr)
         return 2
+    if args.covrl_set and tasks:   # a bad override stops here, before any model loads, naming the key
+        try:
+            task_config(tasks[0], 0, args.quick, str(args.cache_dir or DEFAULT_CACHE), tuple(args.covrl_set))
+        except ValueError as err:   # covrl's ConfigError is one
+            print(f"covrl bench suite: {err}", file=sys.stderr)
+            return 2
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     for task in tasks:   # every stored run must have been made with these settings (before any new run)
