@@ -123,6 +123,49 @@ def test_handle_zero_tail_gives_longest_row_its_return():
     torch.testing.assert_close(on[:, :3], off[:, :3])
 
 
+def _all_correct_group():
+    # one group of three, every reward 1; row 0 uniquely longest; confident first tokens (w = (1 - π)² tiny)
+    mask = torch.tensor([[1.0, 1, 1, 1, 1], [1, 1, 0, 0, 0], [1, 1, 1, 0, 0]])
+    lp = torch.tensor([[-1e-4, -0.5, -0.5, -0.5, -0.5]]).expand(3, 5).clone()
+    sps = lp.exp().square() + 1e-9
+    return dict(rewards=torch.ones(3), mask=mask, logprobs=lp, sum_pi_sq=sps)
+
+
+def test_otb_leaves_residue_on_a_constant_group_by_its_formula():
+    from covrl.math.logprobs import logit_grad_proxy
+
+    kw = _all_correct_group()
+    adv = compute_advantages("otb", group_ids=torch.zeros(3, dtype=torch.long), **kw).advantages
+    w = logit_grad_proxy(kw["logprobs"], kw["sum_pi_sq"])
+    assert torch.all(w[:, 0] == 0)   # 1 − 2π + Σπ² cancels to 0 in fp32 for π = 1 − 1e-4
+    # by hand: zero energy gives B_0 = 0 / (0 + 1e-8) = 0, so A_0 = G = 1 on every row of an all-correct group
+    torch.testing.assert_close(adv[:, 0], torch.ones(3))
+    assert torch.all(adv[:, 1:3] == 0)   # positive energy: B = G (3 W + 1e-8 rounds to 3 W in fp32)
+    torch.testing.assert_close(adv[0, 3:], torch.ones(2))   # handle_zero_tail: the longest row's tail gets G
+
+
+@pytest.mark.parametrize("name", ["otb", "otb_tir"])
+def test_zero_constant_groups_zeroes_exactly_those_groups(name):
+    kw = _all_correct_group()
+    mask = torch.cat([kw["mask"], kw["mask"]])
+    rewards = torch.tensor([1.0, 1.0, 1.0, 1.0, 0.0, 0.0])   # group 0 constant, group 1 not
+    lp, sps = torch.cat([kw["logprobs"]] * 2), torch.cat([kw["sum_pi_sq"]] * 2)
+    gids = torch.tensor([0, 0, 0, 1, 1, 1])
+    common = dict(rewards=rewards, mask=mask, group_ids=gids, logprobs=lp, sum_pi_sq=sps)
+    off = compute_advantages(name, **common).advantages
+    on = compute_advantages(name, zero_constant_groups=True, **common).advantages
+    assert torch.equal(on[:3], torch.zeros(3, 5))          # exactly zero, not ~1e-8
+    assert off[:3].abs().max() > 0.5                       # what the formula gives there
+    assert torch.equal(on[3:], off[3:])                    # other groups untouched
+
+
+def test_zero_constant_groups_keeps_a_group_of_one():
+    mask, lp, sps = torch.ones(1, 3), torch.full((1, 3), -0.5), torch.full((1, 3), 0.5)
+    out = compute_advantages("otb", rewards=torch.tensor([2.0]), mask=mask, group_ids=torch.tensor([7]),
+                             logprobs=lp, sum_pi_sq=sps, zero_constant_groups=True)
+    torch.testing.assert_close(out.advantages, torch.full((1, 3), 2.0))   # A = G, as without the option
+
+
 def test_otb_tir_skips_tool_tokens_and_aligns_on_generated_index():
     # row 0: gen gen TOOL TOOL gen gen ; row 1: gen gen gen gen pad pad (same group)
     mask = torch.tensor([[1.0, 1, 1, 1, 1, 1], [1, 1, 1, 1, 0, 0]])

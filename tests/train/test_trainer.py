@@ -268,3 +268,20 @@ def test_skip_zero_gradient_keeps_informative_steps_and_survives_a_checkpoint():
     again = Trainer(make_model(), tiny_cfg(**{"optim.skip_zero_gradient": True}))
     again.load_state_dict(trainer.state_dict())
     assert again.no_signal_steps == 1 and again.version == 1
+
+
+@pytest.mark.parametrize("zero_constant", [False, True])
+def test_an_all_correct_step_is_left_out_only_with_zero_constant_groups(zero_constant):
+    # every group's reward is 1: OTB's formula still gives the uniquely longest row's tail A = G (and A = G at
+    # zero-energy tokens), so only with zero_constant_groups is the gradient exactly zero and the step skipped
+    model = make_model()
+    cfg = tiny_cfg(**{"optim.skip_zero_gradient": True, "algorithm.advantage": "otb",
+                      "algorithm.advantage_options.zero_constant_groups": zero_constant})
+    trainer = Trainer(model, cfg)
+    trainer.step(synthetic_batch(model))
+    before = [p.detach().clone() for p in model.parameters()]
+    batch = synthetic_batch(model, seed=1)
+    m = trainer.step(replace(batch, rewards=torch.ones_like(batch.rewards)))
+    assert (m["grad_norm"] == 0.0) is zero_constant
+    assert m["no_signal_step"] == float(zero_constant)
+    assert all(torch.equal(a, b) for a, b in zip(before, model.parameters())) is zero_constant

@@ -107,8 +107,17 @@ def reinforce(batch: AdvantageBatch) -> torch.Tensor:
     return batch.returns.clone()
 
 
+def constant_score_groups(batch: AdvantageBatch) -> torch.Tensor:
+    """[B] bool: the row's group has more than one row and every row's score equal (no contrast in it)."""
+    high = torch.full((batch.num_groups,), -torch.inf, dtype=batch.scores.dtype, device=batch.scores.device)
+    low = torch.full_like(high, torch.inf)
+    high = high.scatter_reduce_(0, batch.group_index, batch.scores, "amax")
+    low = low.scatter_reduce_(0, batch.group_index, batch.scores, "amin")
+    return (high == low)[batch.group_index] & (batch.group_size > 1)
+
+
 def _otb_core(returns: torch.Tensor, mask: torch.Tensor, w: torch.Tensor, batch: AdvantageBatch,
-              handle_zero_tail: bool) -> torch.Tensor:
+              handle_zero_tail: bool, zero_constant_groups: bool = False) -> torch.Tensor:
     """OTB on an aligned [B, T] layout: W_t = Σ_{j≤t} w_j m_j, B_t = Σ_i G W m / (Σ_i W m + 1e-8), A = (G − B)m."""
     energy = torch.cumsum(w * mask, dim=1)
     num = batch.group_sum(returns * energy * mask)[batch.group_index]
@@ -120,7 +129,10 @@ def _otb_core(returns: torch.Tensor, mask: torch.Tensor, w: torch.Tensor, batch:
         valid_count = batch.group_sum((mask > 0).to(torch.float32))[batch.group_index]
         no_baseline = no_baseline | (valid_count <= 1)
     baseline = torch.where(no_baseline, torch.zeros_like(baseline), baseline)
-    return (returns - baseline) * mask
+    adv = (returns - baseline) * mask
+    if zero_constant_groups:
+        adv = torch.where(constant_score_groups(batch)[:, None], torch.zeros_like(adv), adv)
+    return adv
 
 
 def _otb_proxy(logprobs, sum_pi_sq, is_weights, mask) -> torch.Tensor:
@@ -138,28 +150,34 @@ def _otb_proxy(logprobs, sum_pi_sq, is_weights, mask) -> torch.Tensor:
 
 
 def otb(batch: AdvantageBatch, *, logprobs: torch.Tensor | None = None, sum_pi_sq: torch.Tensor | None = None,
-        is_weights: torch.Tensor | None = None, handle_zero_tail: bool = True) -> torch.Tensor:
+        is_weights: torch.Tensor | None = None, handle_zero_tail: bool = True,
+        zero_constant_groups: bool = False) -> torch.Tensor:
     """Optimal Token Baseline (RESEARCH §7), per token and causal.
 
     w_t = 1 − 2π_t(y_t) + Σπ_t² (·ρ̄_t² with `is_weights`), W_t = Σ_{j≤t} w_j m_j, G_t reward-to-go,
     B_t = Σ_{i∈g} G_t W_t m_t / (Σ_{i∈g} W_t m_t + 1e-8) per group and position t, A_t = (G_t − B_t)·m_t.
     A group of one gets A = G. `handle_zero_tail`: where only one row of a group is valid (the uniquely
     longest row past the second-longest length) the baseline is 0 instead of ≈ G.
+    `zero_constant_groups`: A = 0 in a group whose per-sequence scores are all equal. The formula leaves such a
+    group A = G on the uniquely longest row's tail (handle_zero_tail) and G·1e-8/(Σ W + 1e-8) where the
+    group's energy is ~0 (confident tokens, where 1 − 2π + Σπ² cancels to 0 in fp32: A = G there), so a step
+    of all-correct groups is not an exact zero and `optim.skip_zero_gradient` cannot leave it out.
     """
     w = _otb_proxy(logprobs, sum_pi_sq, is_weights, batch.mask)
-    return _otb_core(batch.returns, batch.mask, w, batch, handle_zero_tail)
+    return _otb_core(batch.returns, batch.mask, w, batch, handle_zero_tail, zero_constant_groups)
 
 
 def otb_tir(batch: AdvantageBatch, *, logprobs: torch.Tensor | None = None,
             sum_pi_sq: torch.Tensor | None = None, is_weights: torch.Tensor | None = None,
-            generated_mask: torch.Tensor | None = None, handle_zero_tail: bool = True) -> torch.Tensor:
+            generated_mask: torch.Tensor | None = None, handle_zero_tail: bool = True,
+            zero_constant_groups: bool = False) -> torch.Tensor:
     """OTB for multi-turn rollouts with tool output inside the response (tool-integrated reasoning).
 
     `generated_mask` [B, T]: 1 on model-generated tokens, 0 on tool/observation tokens (default: `mask`, i.e.
     tool tokens already masked out). Tokens with mask·generated_mask = 1 are re-indexed k = 0, 1, ... per row;
     the energy W and the baseline are computed on that compact index (the k-th generated token of each row is
     compared with the k-th generated token of the others), the reward-to-go G_t in the original layout (rewards
-    after a token count, wherever they sit). Tool tokens get A = 0.
+    after a token count, wherever they sit). Tool tokens get A = 0. `zero_constant_groups` as in `otb`.
     """
     mask = batch.mask
     if generated_mask is None:
@@ -180,7 +198,7 @@ def otb_tir(batch: AdvantageBatch, *, logprobs: torch.Tensor | None = None,
         return out.scatter_(1, target, x.float())[:, :compact_len]
 
     mask_c = compact(eff.float())
-    adv_c = _otb_core(compact(batch.returns), mask_c, compact(w), batch, handle_zero_tail)
+    adv_c = _otb_core(compact(batch.returns), mask_c, compact(w), batch, handle_zero_tail, zero_constant_groups)
     adv_c = torch.cat([adv_c, torch.zeros((rows, 1), dtype=adv_c.dtype, device=adv_c.device)], dim=1)
     return adv_c.gather(1, target) * eff.float()
 
