@@ -159,6 +159,18 @@ def test_zero_constant_groups_zeroes_exactly_those_groups(name):
     assert torch.equal(on[3:], off[3:])                    # other groups untouched
 
 
+@pytest.mark.parametrize("name", ["grpo", "dr_grpo", "rloo", "reinforce"])
+def test_zero_constant_groups_for_every_estimator(name):
+    mask = torch.ones(6, 3)
+    rewards = torch.tensor([0.1, 0.1, 0.1, 1.0, 0.0, 1.0])   # group 0 constant (0.1: float means leave residue)
+    gids = torch.tensor([0, 0, 0, 1, 1, 1])
+    off = compute_advantages(name, rewards=rewards, mask=mask, group_ids=gids).advantages
+    on = compute_advantages(name, rewards=rewards, mask=mask, group_ids=gids, zero_constant_groups=True).advantages
+    assert torch.equal(on[:3], torch.zeros(3, 3)) and torch.equal(on[3:], off[3:])
+    if name == "reinforce":
+        torch.testing.assert_close(off[:3], torch.full((3, 3), 0.1))   # no baseline: the option is what zeroes it
+
+
 def test_zero_constant_groups_keeps_a_group_of_one():
     mask, lp, sps = torch.ones(1, 3), torch.full((1, 3), -0.5), torch.full((1, 3), 0.5)
     out = compute_advantages("otb", rewards=torch.tensor([2.0]), mask=mask, group_ids=torch.tensor([7]),

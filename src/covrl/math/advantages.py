@@ -77,36 +77,6 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_seq[:, None] * mask
 
 
-def grpo(batch: AdvantageBatch, *, eps: float = GRPO_EPS) -> torch.Tensor:
-    """A = (R − mean_g) / (std_g + eps), std unbiased; a group of one uses mean 0, std 1 (A = R), as verl does."""
-    mean, std = batch.group_mean_std()
-    single = batch.group_size == 1
-    mean = torch.where(single, torch.zeros_like(mean), mean)
-    std = torch.where(single, torch.ones_like(std), std)
-    return _broadcast((batch.scores - mean) / (std + eps), batch.mask)
-
-
-def dr_grpo(batch: AdvantageBatch) -> torch.Tensor:
-    """A = R − mean_g (no std); a group of one uses mean 0 (A = R)."""
-    mean, _ = batch.group_mean_std()
-    mean = torch.where(batch.group_size == 1, torch.zeros_like(mean), mean)
-    return _broadcast(batch.scores - mean, batch.mask)
-
-
-def rloo(batch: AdvantageBatch) -> torch.Tensor:
-    """A = R − mean of the other N−1 rows of the group = N/(N−1)·(R − mean_g); 0 for a group of one."""
-    total = batch.group_sum(batch.scores)[batch.group_index]
-    n = batch.group_size.to(batch.scores.dtype)
-    loo = (total - batch.scores) / (n - 1).clamp_min(1)
-    adv = torch.where(batch.group_size > 1, batch.scores - loo, torch.zeros_like(loo))
-    return _broadcast(adv, batch.mask)
-
-
-def reinforce(batch: AdvantageBatch) -> torch.Tensor:
-    """A_t = G_t (reward-to-go, no baseline); equals R on every valid token for outcome rewards."""
-    return batch.returns.clone()
-
-
 def constant_score_groups(batch: AdvantageBatch) -> torch.Tensor:
     """[B] bool: the row's group has more than one row and every row's score equal (no contrast in it)."""
     high = torch.full((batch.num_groups,), -torch.inf, dtype=batch.scores.dtype, device=batch.scores.device)
@@ -114,6 +84,44 @@ def constant_score_groups(batch: AdvantageBatch) -> torch.Tensor:
     high = high.scatter_reduce_(0, batch.group_index, batch.scores, "amax")
     low = low.scatter_reduce_(0, batch.group_index, batch.scores, "amin")
     return (high == low)[batch.group_index] & (batch.group_size > 1)
+
+
+def _zero_constant(batch: AdvantageBatch, adv: torch.Tensor, on: bool) -> torch.Tensor:
+    """`zero_constant_groups` of every estimator: A = 0 exactly in a group whose scores are all equal (float
+    means of equal non-binary rewards, OTB's tail and low-energy terms leave residues there otherwise)."""
+    if not on:
+        return adv
+    return torch.where(constant_score_groups(batch)[:, None], torch.zeros_like(adv), adv)
+
+
+def grpo(batch: AdvantageBatch, *, eps: float = GRPO_EPS, zero_constant_groups: bool = False) -> torch.Tensor:
+    """A = (R − mean_g) / (std_g + eps), std unbiased; a group of one uses mean 0, std 1 (A = R), as verl does."""
+    mean, std = batch.group_mean_std()
+    single = batch.group_size == 1
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return _zero_constant(batch, _broadcast((batch.scores - mean) / (std + eps), batch.mask), zero_constant_groups)
+
+
+def dr_grpo(batch: AdvantageBatch, *, zero_constant_groups: bool = False) -> torch.Tensor:
+    """A = R − mean_g (no std); a group of one uses mean 0 (A = R)."""
+    mean, _ = batch.group_mean_std()
+    mean = torch.where(batch.group_size == 1, torch.zeros_like(mean), mean)
+    return _zero_constant(batch, _broadcast(batch.scores - mean, batch.mask), zero_constant_groups)
+
+
+def rloo(batch: AdvantageBatch, *, zero_constant_groups: bool = False) -> torch.Tensor:
+    """A = R − mean of the other N−1 rows of the group = N/(N−1)·(R − mean_g); 0 for a group of one."""
+    total = batch.group_sum(batch.scores)[batch.group_index]
+    n = batch.group_size.to(batch.scores.dtype)
+    loo = (total - batch.scores) / (n - 1).clamp_min(1)
+    adv = torch.where(batch.group_size > 1, batch.scores - loo, torch.zeros_like(loo))
+    return _zero_constant(batch, _broadcast(adv, batch.mask), zero_constant_groups)
+
+
+def reinforce(batch: AdvantageBatch, *, zero_constant_groups: bool = False) -> torch.Tensor:
+    """A_t = G_t (reward-to-go, no baseline); equals R on every valid token for outcome rewards."""
+    return _zero_constant(batch, batch.returns.clone(), zero_constant_groups)
 
 
 def _otb_core(returns: torch.Tensor, mask: torch.Tensor, w: torch.Tensor, batch: AdvantageBatch,
@@ -129,10 +137,7 @@ def _otb_core(returns: torch.Tensor, mask: torch.Tensor, w: torch.Tensor, batch:
         valid_count = batch.group_sum((mask > 0).to(torch.float32))[batch.group_index]
         no_baseline = no_baseline | (valid_count <= 1)
     baseline = torch.where(no_baseline, torch.zeros_like(baseline), baseline)
-    adv = (returns - baseline) * mask
-    if zero_constant_groups:
-        adv = torch.where(constant_score_groups(batch)[:, None], torch.zeros_like(adv), adv)
-    return adv
+    return _zero_constant(batch, (returns - baseline) * mask, zero_constant_groups)
 
 
 def _otb_proxy(logprobs, sum_pi_sq, is_weights, mask) -> torch.Tensor:
