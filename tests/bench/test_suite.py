@@ -183,3 +183,13 @@ def test_suite_quick_runs_both_real_sides_and_skips_them_after(tmp_path):
         stamps[name] = (out / name).stat().st_mtime_ns
     assert suite.run(parse(*argv)) == 0   # every run present: nothing is re-run or rewritten
     assert {name: (out / name).stat().st_mtime_ns for name in names} == stamps
+
+
+def test_run_key_is_the_same_from_another_checkout():
+    # a stored run of `larger` made in another clone names the shipped JSONL by that clone's absolute path
+    key = suite.run_key(parse("--tasks", "larger"), "larger", "trl")
+    assert key["task_overrides"]["task.path"] == "<covrl>/data/suite_larger.jsonl"
+    assert key["task_overrides"]["task.reward_fn"].startswith("<covrl>/bench/suite_reward.py:")
+    stored = json.loads(json.dumps(key).replace("<covrl>/", "/elsewhere/pin7/src/covrl/"))
+    assert stored != key and suite.portable_key(stored) == key
+    assert suite.portable_key({"a": ["/x/covrl/tests/y"]}) == {"a": ["/x/covrl/tests/y"]}   # only package data

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -84,7 +85,24 @@ def run_key(args: argparse.Namespace, task: str, side: str) -> dict:
     key = {"task_overrides": SUITE_TASKS[task].overrides, **{k: getattr(args, k) for k in keys}}
     if args.covrl_set and side == "covrl":   # absent when empty: runs stored before the option stay comparable
         key["covrl_set"] = list(args.covrl_set)
-    return key
+    return portable_key(key)
+
+
+_PACKAGE_PATH = re.compile(r"^.*/covrl/(?=(data|bench)/)")
+
+
+def portable_key(key: dict) -> dict:
+    """`key` with paths into the covrl package written as `<covrl>/...`: the same shipped file in another
+    checkout (another clone, a pinned worktree) is the same run setting."""
+    def fix(value):
+        if isinstance(value, str):
+            return _PACKAGE_PATH.sub("<covrl>/", value)
+        if isinstance(value, dict):
+            return {k: fix(v) for k, v in value.items()}
+        if isinstance(value, list):
+            return [fix(v) for v in value]
+        return value
+    return fix(key)
 
 
 def _write_json(path: Path, payload: dict) -> None:
@@ -224,7 +242,8 @@ def run(args: argparse.Namespace) -> int:
     out.mkdir(parents=True, exist_ok=True)
     for task in tasks:   # every stored run must have been made with these settings (before any new run)
         for path, side in ((result_path(out, task, seed, side), side) for seed in seeds for side in sides):
-            stored = json.loads(path.read_text())["run_key"] if path.exists() else run_key(args, task, side)
+            stored = portable_key(json.loads(path.read_text())["run_key"]) if path.exists() \
+                else run_key(args, task, side)
             if stored != (key := run_key(args, task, side)):
                 diff = {k: (stored.get(k), v) for k, v in key.items() if stored.get(k) != v}
                 print(f"{path} was made with other settings {diff} (stored, now); use another --out",
