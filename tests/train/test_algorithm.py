@@ -101,7 +101,7 @@ def test_options_are_checked_and_bound_once():
     (["algorithm.advantage=grpo", "algorithm.advantage_options.handle_zero_tail=false"],
      r"algorithm\.advantage_options\.handle_zero_tail is not an option of grpo; allowed: eps \(float = 1e-06\)"),
     (["algorithm.advantage=rloo", "algorithm.advantage_options.eps=0.1"],
-     r"algorithm\.advantage_options\.eps is not an option of rloo; allowed: \(none\)"),
+     r"algorithm\.advantage_options\.eps is not an option of rloo; allowed: zero_constant_groups \(bool = False\)"),
     (["algorithm.advantage=otb", "algorithm.advantage_options.handle_zero_tail=[1]"],
      r"algorithm\.advantage_options\.handle_zero_tail: Input should be a valid boolean.*options of otb"),
     (["algorithm.advantage=otb", "algorithm.advantage_options.logprobs=1"],   # supplied by the trainer
