@@ -13,6 +13,7 @@ from covrl.math.advantages import (
     AdvantageSpec,
     advantage_metrics,
     compute_advantages,
+    constant_groups,
     make_advantage_batch,
     variance_proxies,
 )
@@ -41,7 +42,7 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS", "ADVANTAGE_INPUTS", "ADVANTAGE_SPECS", "AGGREGATIONS", "KL_ESTIMATORS", "LOSS_INPUTS",
     "LOSS_SPECS", "POLICY_LOSSES", "REJECTION_CRITERIA",
     "AdvantageBatch", "AdvantageOutput", "AdvantageSpec", "CorrectionConfig", "CorrectionOutput", "LossOutput",
-    "LossSpec", "advantage_metrics", "aggregate", "compute_advantages", "correction_metrics",
+    "LossSpec", "advantage_metrics", "aggregate", "compute_advantages", "constant_groups", "correction_metrics",
     "entropy_from_logits", "kl_estimate", "logit_grad_proxy", "make_advantage_batch", "policy_loss",
     "reject_bool", "rollout_correction", "score_centering_term", "sum_pi_squared", "token_logprobs", "variance_proxies",
 ]

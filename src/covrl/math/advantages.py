@@ -77,13 +77,19 @@ def _broadcast(per_seq: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return per_seq[:, None] * mask
 
 
+def constant_groups(values: torch.Tensor, group_index: torch.Tensor, num_groups: int) -> torch.Tensor:
+    """[num_groups] bool: every row of the group has the same value (exact max == min, no float mean)."""
+    high = torch.full((num_groups,), -torch.inf, dtype=values.dtype, device=values.device)
+    low = torch.full_like(high, torch.inf)
+    high = high.scatter_reduce_(0, group_index, values, "amax")
+    low = low.scatter_reduce_(0, group_index, values, "amin")
+    return high == low
+
+
 def constant_score_groups(batch: AdvantageBatch) -> torch.Tensor:
     """[B] bool: the row's group has more than one row and every row's score equal (no contrast in it)."""
-    high = torch.full((batch.num_groups,), -torch.inf, dtype=batch.scores.dtype, device=batch.scores.device)
-    low = torch.full_like(high, torch.inf)
-    high = high.scatter_reduce_(0, batch.group_index, batch.scores, "amax")
-    low = low.scatter_reduce_(0, batch.group_index, batch.scores, "amin")
-    return (high == low)[batch.group_index] & (batch.group_size > 1)
+    same = constant_groups(batch.scores, batch.group_index, batch.num_groups)
+    return same[batch.group_index] & (batch.group_size > 1)
 
 
 def _zero_constant(batch: AdvantageBatch, adv: torch.Tensor, on: bool) -> torch.Tensor:

@@ -47,7 +47,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from covrl.diagnostics.noise import LOSS_UNITS, GradientNoiseMonitor
 from covrl.diagnostics.tangent import tangent_remainder
-from covrl.math import kl_estimate
+from covrl.math import constant_groups, kl_estimate
 from covrl.models.compiled import compile_module, compile_seconds
 from covrl.models.forward import ResponseForward
 from covrl.models.forward import forward_response as forward_response_tokens
@@ -691,11 +691,7 @@ def batch_metrics(batch: ScoredBatch) -> dict[str, float]:
     _, inverse = torch.unique(batch.group_ids, return_inverse=True)
     n_groups = int(inverse.max()) + 1 if len(batch) else 0
     if n_groups:
-        gmax = torch.full((n_groups,), -math.inf, device=seq_rewards.device).scatter_reduce(
-            0, inverse, seq_rewards, "amax")
-        gmin = torch.full((n_groups,), math.inf, device=seq_rewards.device).scatter_reduce(
-            0, inverse, seq_rewards, "amin")
-        m["zero_variance_groups"] = float((gmax == gmin).float().mean())
+        m["zero_variance_groups"] = float(constant_groups(seq_rewards, inverse, n_groups).float().mean())
     correct = batch.correct
     if correct is not None and len(correct) == len(batch) and len(batch):
         c = torch.tensor([float(bool(x)) for x in correct], device=seq_rewards.device)
