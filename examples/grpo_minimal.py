@@ -37,7 +37,7 @@ from covrl.math import compute_advantages, policy_loss, sum_pi_squared, token_lo
 from covrl.models import ModelConfig, TinyModelConfig, load_model
 from covrl.tasks import TaskConfig, build_task
 from covrl.train.config import SFTWarmupConfig
-from covrl.train.sft import sft_warmup
+from covrl.train.step.sft import sft_warmup
 
 
 @dataclasses.dataclass
@@ -135,7 +135,7 @@ def train(args: Args):
     before = greedy_accuracy(model, task, tokenizer, args)
     print(f"held-out greedy accuracy before RL: {before:.1%}")
 
-    def prompt_stream():       # each epoch a fresh permutation, as covrl.train.data.DataStream
+    def prompt_stream():       # each epoch a fresh permutation, as covrl.train.run.stream.DataStream
         for epoch in itertools.count():
             order = list(range(len(task.train)))
             random.Random(args.seed * 1_000_003 + epoch).shuffle(order)

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # Creates/updates .venv with covrl and its test tools. torch is pinned first: the CPU wheel
-# lies on this machine's disk, while an unpinned torch would pull a multi-GB CUDA build.
+# may lie on the local disk (a wheel cache), while an unpinned torch would pull a multi-GB CUDA build.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PY=${PYTHON:-python3}

@@ -30,9 +30,9 @@ from pathlib import Path
 import pytest
 
 from covrl.config import load_config
-from covrl.train.loop import train_sync
-from covrl.train.run import prepare_run
-from covrl.train.sinks import read_jsonl
+from covrl.train.run.driver import train_sync
+from covrl.train.run.folder import prepare_run
+from covrl.train.run.sinks import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[1]
 STEPS, PROMPTS, SFT_STEPS = 3, 4, 40    # a shorter warm-up than the preset's 100 (17% greedy, not 43%)

@@ -11,9 +11,8 @@ from covrl import __version__
 
 # name -> (module, one line of help). Modules import torch etc. only inside run().
 COMMANDS: dict[str, tuple[str, str]] = {
-    "train": ("covrl.train.cli", "RL-train a language model from a YAML config (+ key=value overrides)"),
-    "eval": ("covrl.train.cli_eval", "evaluate a run or checkpoint on a task's held-out prompts"),
-    "repro": ("covrl.repro.cli", "run a reproduction of a seed result (or 'all')"),
+    "train": ("covrl.train.launch.cli", "RL-train a language model from a YAML config (+ key=value overrides)"),
+    "eval": ("covrl.train.launch.cli_eval", "evaluate a run or checkpoint on a task's held-out prompts"),
     "bandit": ("covrl.explore.cli", "run Ensemble++ and baselines on bandit environments"),
     "bench": ("covrl.bench.cli", "benchmarks against peers and the machine's limits"),
     "diagnose": ("covrl.diagnostics.cli", "report on the geometry of a run's updates"),

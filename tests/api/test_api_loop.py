@@ -1,4 +1,4 @@
-"""examples/api_rl_loop.py (a loop on covrl.api) and the reproductions' harness (covrl.repro.harness, a client of
+"""examples/api_rl_loop.py (a loop on covrl.api) and the reproductions' harness (covrl.experiment.harness, a client of
 covrl.api) against `covrl train` (prepare_run + train_sync) on the tiny preset, same seed: the same sampled
 tokens, and every per-step metric both report is identical."""
 
@@ -13,10 +13,10 @@ import pytest
 import torch
 
 from covrl.api import resolve_config
-from covrl.repro.harness import Arm, ArmRunner
-from covrl.train.loop import train_sync
-from covrl.train.run import prepare_run
-from covrl.train.sinks import read_jsonl
+from covrl.experiment import Arm, ArmRunner
+from covrl.train.run.driver import train_sync
+from covrl.train.run.folder import prepare_run
+from covrl.train.run.sinks import read_jsonl
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 3

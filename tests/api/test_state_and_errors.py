@@ -10,7 +10,7 @@ import torch
 from api_helpers import SMALL, make_batch
 
 from covrl.api import AdamParams, SamplingParams, StaleSamplingClientError, TrainBatch, TrainingClient
-from covrl.train.checkpoint import COMPLETE
+from covrl.train.run.checkpoint import COMPLETE
 
 
 def step(client, lr=1e-2):

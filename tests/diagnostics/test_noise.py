@@ -1,4 +1,4 @@
-"""Gradient-noise diagnostics (RESEARCH §7 variance proxies; McCandlish et al. 2018 noise scale) against
+"""Gradient-noise diagnostics (docs/theory.md §7 variance proxies; McCandlish et al. 2018 noise scale) against
 brute-force per-sample gradients."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Tangent + remainder (RESEARCH.md §5): batch estimators vs hand computation and exact enumeration."""
+"""Tangent + remainder (docs/theory.md §5): batch estimators vs hand computation and exact enumeration."""
 
 from __future__ import annotations
 

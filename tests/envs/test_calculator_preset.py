@@ -6,8 +6,8 @@ from __future__ import annotations
 
 import pytest
 
+from covrl.config import load_preset
 from covrl.models.tiny import char_tokenizer
-from covrl.repro.presets import load_preset
 from covrl.tasks import build_task
 from covrl.tasks.render import prompt_ids
 from covrl.tasks.tools import parse_tool_calls
@@ -39,9 +39,9 @@ def test_calculator_preset_demonstration():
 @pytest.mark.slow
 def test_calculator_preset_one_step_on_smollm2(tmp_path):
     # about a minute on one core: SmolLM2 loads, one step of 2 prompts x 2 episodes, evaluations on 2 prompts
-    from covrl.train.loop import run_loop
-    from covrl.train.run import prepare_run
-    from covrl.train.sources import EpisodeSource, build_sync_source
+    from covrl.train.run.driver import run_loop
+    from covrl.train.run.folder import prepare_run
+    from covrl.train.run.sources import EpisodeSource, build_sync_source
 
     cfg = load_preset("calculator", {"run.output_dir": str(tmp_path), "loop.steps": 1, "loop.prompts_per_step": 2,
                                      "loop.group_size": 2, "eval.max_prompts": 2, "eval.sampled": False,

@@ -14,15 +14,15 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "train"))
 from train_helpers import tiny_cfg  # noqa: E402
 
-import covrl.train.algorithm as algorithm_mod  # noqa: E402
+import covrl.train.step.algorithm as algorithm_mod  # noqa: E402
 from covrl.rollout.episodes import generate_episodes, score_episodes  # noqa: E402
 from covrl.tasks import environments  # noqa: E402
 from covrl.tasks.environments import EnvStep  # noqa: E402
-from covrl.train.loop import run_loop  # noqa: E402
-from covrl.train.run import prepare_run  # noqa: E402
-from covrl.train.sinks import read_jsonl  # noqa: E402
-from covrl.train.sources import EpisodeSource, build_sync_source  # noqa: E402
-from covrl.train.trainer import Trainer, forward_response  # noqa: E402
+from covrl.train.run.driver import run_loop  # noqa: E402
+from covrl.train.run.folder import prepare_run  # noqa: E402
+from covrl.train.run.sinks import read_jsonl  # noqa: E402
+from covrl.train.run.sources import EpisodeSource, build_sync_source  # noqa: E402
+from covrl.train.step.trainer import Trainer, forward_response  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -200,8 +200,8 @@ def test_async_loop_runs_episodes_and_equals_sync_at_staleness_zero(tmp_path, ec
     """loop.mode=async generates episodes through the same generate_batch / score_batch as the sync loop: with
     staleness 0 (serial emulation and a real sampler thread) every metric equals the sync loop's, and the
     trained batches carry environment tokens outside loss_mask."""
-    from covrl.train.async_config import AsyncLoopConfig
-    from covrl.train.async_loop import prepare_async_run, train_async
+    from covrl.train.asyncrl.config import AsyncLoopConfig
+    from covrl.train.asyncrl.source import prepare_async_run, train_async
 
     stepped = []
     real_step = Trainer.step
@@ -243,8 +243,8 @@ def test_async_loop_runs_episodes_and_equals_sync_at_staleness_zero(tmp_path, ec
 def test_process_pool_runs_episodes(tmp_path):
     """The process pool's worker builds the task with its environment from the config (the tiny `add` preset):
     at staleness 0 the run equals the sync loop's episodes."""
-    from covrl.train.async_config import AsyncLoopConfig
-    from covrl.train.async_loop import prepare_async_run, train_async
+    from covrl.train.asyncrl.config import AsyncLoopConfig
+    from covrl.train.asyncrl.source import prepare_async_run, train_async
 
     over = {"task.env.name": "add", "task.env.max_turns": 2, "model.tiny.max_positions": 160,
             "sampler.max_new_tokens": 8, "sft_warmup.steps": 0, "loop.steps": 2, "eval.before": False,

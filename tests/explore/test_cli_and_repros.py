@@ -54,19 +54,19 @@ def test_bandit_cli_errors_name_the_option(tmp_path, capsys, argv, message):
 def test_bench_explore_tiny(tmp_path):
     rc = main(["bench", "explore", "--dims", "4,8", "--steps", "5", "--arms", "10", "--out", str(tmp_path)])
     assert rc == 0
-    files = list(tmp_path.glob("explore-*.json"))
+    files = list(tmp_path.glob("explore/*.json"))
     assert len(files) == 1
     rows = json.loads(files[0].read_text())["results"]["rows"]
     assert [r["d"] for r in rows] == [4, 8]
     assert all(r["M_dlogT"] == int(-(-r["d"] * 1.6094379124341003 // 1)) for r in rows)  # ceil(d ln 5)
-    assert "LinTS" in (tmp_path / "explore.md").read_text()
+    assert "LinTS" in files[0].with_suffix(".md").read_text()
 
 
 @pytest.mark.parametrize("name", ["ensemble_linear", "seq_jl", "ensemble_neural"])
 def test_fast_repro_passes_its_criteria(name, tmp_path):
     import importlib
 
-    module = importlib.import_module(f"covrl.repro.{name}")
+    module = importlib.import_module(f"studies.{name}.{name}")
     result = module.run(tmp_path, fast=True, seed=0)
     failed = [(c.name, c.measured, c.target) for c in result.criteria if not c.passed]
     assert result.criteria and not failed, failed
@@ -76,10 +76,11 @@ def test_fast_repro_passes_its_criteria(name, tmp_path):
 def test_ensemble_neural_paper_fast_runs_resumes_and_reports(tmp_path):
     import json
 
-    from covrl.repro import REPROS
-    from covrl.repro import ensemble_neural_paper as paper
+    from studies.ensemble_neural import ensemble_neural_paper as paper
 
-    assert REPROS["ensemble-neural-paper"] == "covrl.repro.ensemble_neural_paper"
+    from studies import STUDIES
+
+    assert STUDIES["ensemble-neural-paper"] == "studies.ensemble_neural.ensemble_neural_paper"
     result = paper.run(tmp_path, fast=True, seed=0, log=lambda _: None)
     cfg = paper.FAST
     lines = (tmp_path / "jobs.jsonl").read_text().splitlines()

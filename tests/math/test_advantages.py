@@ -52,7 +52,7 @@ def test_grpo_dr_grpo_rloo_reinforce_match_loops():
 
 
 def _otb_loop(rewards_tok, mask, gids, w, handle_zero_tail):
-    """Plain-Python OTB (RESEARCH §7 steps 2–5)."""
+    """Plain-Python OTB (docs/theory.md §7 steps 2–5)."""
     B, T = len(mask), len(mask[0])
     G = [[sum(rewards_tok[b][k] * mask[b][k] for k in range(t, T)) for t in range(T)] for b in range(B)]
     W = [[sum(w[b][j] * mask[b][j] for j in range(t + 1)) for t in range(T)] for b in range(B)]

@@ -21,7 +21,7 @@ def _linear_policy(B=5, T=4, d=3, V=6, seed=0):
 
 
 def test_covariance_loss_gradient_is_centred_reward_times_score():
-    """∇L_cov = −mean_b (R_b − r̄)·∇ log p(y_b) with L_cov in seq-mean-token-sum aggregation (RESEARCH §5)."""
+    """∇L_cov = −mean_b (R_b − r̄)·∇ log p(y_b) with L_cov in seq-mean-token-sum aggregation (docs/theory.md §5)."""
     h, W, y, mask = _linear_policy()
     R = torch.tensor([1.0, 0.0, 2.0, 0.5, -1.0])
     gids = torch.zeros(5, dtype=torch.long)

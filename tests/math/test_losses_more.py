@@ -200,7 +200,7 @@ def test_pairing_rule_ratio_against_the_sampler_takes_no_is_weights(name):
 @pytest.mark.parametrize("name", NEW)
 def test_bound_algorithm_drops_is_weights_for_the_new_losses(name):
     from covrl.config import load_config
-    from covrl.train.algorithm import bind_algorithm
+    from covrl.train.step.algorithm import bind_algorithm
 
     cfg = load_config(None, [f"algorithm.loss={name}", "correction.is_level=token"])
     alg = bind_algorithm(cfg)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from covrl.repro.presets import preset_path
+from covrl.config import preset_path
 
 REPO = Path(__file__).resolve().parents[2]
 TINY = preset_path("tiny")
@@ -31,7 +31,7 @@ def metrics(run_dir: Path) -> list[dict]:
 def final_weights(run_dir: Path) -> dict:
     from safetensors.torch import load_file
 
-    from covrl.train import checkpoint as ckpt
+    from covrl.train.run import checkpoint as ckpt
 
     latest = ckpt.latest_checkpoint(Path(run_dir))
     assert latest is not None, f"{run_dir} has no complete checkpoint"

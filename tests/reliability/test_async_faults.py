@@ -1,4 +1,4 @@
-"""Faults in the asynchronous loop (covrl.train.async_loop): the rollout queue and the chunks in flight are
+"""Faults in the asynchronous loop (covrl.train.asyncrl.source): the rollout queue and the chunks in flight are
 saved with every checkpoint, so a dead process or a dead sampler worker loses nothing.
 
 - the trainer process dies mid-run (emulated async schedule, staleness 1: the queue holds rollouts of an older
@@ -20,7 +20,7 @@ import torch
 from _reliability_tiny import TINY, comparable, final_weights, metrics, tiny_overrides
 
 from covrl.config import load_config
-from covrl.train import checkpoint as ckpt
+from covrl.train.run import checkpoint as ckpt
 
 
 class ProcessDied(BaseException):
@@ -33,7 +33,7 @@ def overrides(tmp_path: Path, name: str, *extra: str) -> list[str]:
 
 
 def run(tmp_path: Path, name: str, *extra: str, resume: bool = False) -> int:
-    from covrl.train.launch import train_from_config
+    from covrl.train.launch.modes import train_from_config
 
     torch.set_num_threads(1)
     return train_from_config(load_config(TINY, overrides(tmp_path, name, *extra)), resume=resume)
@@ -49,7 +49,7 @@ def assert_clock(run_dir: Path, steps: int = 4, rows: int = 16) -> None:
 
 
 def test_process_death_with_a_full_queue_resumes_bit_exactly(tmp_path, monkeypatch):
-    from covrl.train import trainer as trainer_module
+    from covrl.train.step import trainer as trainer_module
 
     assert run(tmp_path, "ref", "async_loop.emulate=true") == 0
     real_step = trainer_module.Trainer.step
@@ -116,11 +116,11 @@ def test_killed_sampler_process_is_restarted_and_its_chunk_generated_again(tmp_p
     import os
     import signal
 
-    from covrl.train import trainer as trainer_module
-    from covrl.train import worker_pool
+    from covrl.train.asyncrl import process_pool
+    from covrl.train.step import trainer as trainer_module
 
     pools: list = []
-    real_init, real_step = worker_pool.ProcessPool.__init__, trainer_module.Trainer.step
+    real_init, real_step = process_pool.ProcessPool.__init__, trainer_module.Trainer.step
 
     def init(self, state):
         real_init(self, state)
@@ -139,7 +139,7 @@ def test_killed_sampler_process_is_restarted_and_its_chunk_generated_again(tmp_p
                 time.sleep(0.05)
         return real_step(self, batch)
 
-    monkeypatch.setattr(worker_pool.ProcessPool, "__init__", init)
+    monkeypatch.setattr(process_pool.ProcessPool, "__init__", init)
     monkeypatch.setattr(trainer_module.Trainer, "step", step)
     assert run(tmp_path, "killed-worker", "async_loop.local_backend=process", "async_loop.max_staleness_steps=2") == 0
     run_dir = tmp_path / "killed-worker"
@@ -154,11 +154,11 @@ def test_sampler_process_deaths_beyond_the_restart_budget_stop_the_run(tmp_path,
     import os
     import signal
 
-    from covrl.train import trainer as trainer_module
-    from covrl.train import worker_pool
+    from covrl.train.asyncrl import process_pool
+    from covrl.train.step import trainer as trainer_module
 
     pools: list = []
-    real_init, real_step = worker_pool.ProcessPool.__init__, trainer_module.Trainer.step
+    real_init, real_step = process_pool.ProcessPool.__init__, trainer_module.Trainer.step
 
     def init(self, state):
         real_init(self, state)
@@ -168,7 +168,7 @@ def test_sampler_process_deaths_beyond_the_restart_budget_stop_the_run(tmp_path,
         os.kill(pools[0].procs[0].pid, signal.SIGKILL)
         return real_step(self, batch)
 
-    monkeypatch.setattr(worker_pool.ProcessPool, "__init__", init)
+    monkeypatch.setattr(process_pool.ProcessPool, "__init__", init)
     monkeypatch.setattr(trainer_module.Trainer, "step", step)
     assert run(tmp_path, "dying", "async_loop.local_backend=process", "async_loop.max_worker_restarts=0") == 5
     assert ckpt.list_checkpoints(tmp_path / "dying"), "no complete checkpoint survived"
@@ -183,15 +183,15 @@ def test_ray_sampler_actor_killed_mid_run_then_resume(tmp_path, monkeypatch):
     import shutil
     import tempfile
 
-    from covrl.train import ray_backend
-    from covrl.train.run import Run
+    from covrl.train.asyncrl import ray_pool
+    from covrl.train.run.folder import Run
 
     monkeypatch.setenv("RAY_AUTH_MODE", "disabled")
     temp = Path(tempfile.mkdtemp(prefix="covrl-ray-"))
     ray.init(num_cpus=2, include_dashboard=False, _temp_dir=str(temp), log_to_driver=False)
     try:
         extra = ("loop.mode=ray", "async_loop.trainer_actor=false", "async_loop.sampler_cpus=1", "loop.steps=6")
-        real_start, real_save = ray_backend.start_sampler_actors, Run.save_checkpoint
+        real_start, real_save = ray_pool.start_sampler_actors, Run.save_checkpoint
         actors: list = []
         killed: list = []
 
@@ -206,7 +206,7 @@ def test_ray_sampler_actor_killed_mid_run_then_resume(tmp_path, monkeypatch):
                 killed.append(path.name)
             return path
 
-        monkeypatch.setattr(ray_backend, "start_sampler_actors", start)
+        monkeypatch.setattr(ray_pool, "start_sampler_actors", start)
         monkeypatch.setattr(Run, "save_checkpoint", save_then_kill)
         assert run(tmp_path, "ray", *extra) == 0   # the pool starts a new actor and regenerates its chunk
         monkeypatch.undo()

@@ -24,8 +24,8 @@ import torch
 from _reliability_tiny import REWARDS, TINY, comparable, final_weights, metrics, tiny_overrides
 
 from covrl.models import tiny_llama
-from covrl.train import checkpoint as ckpt
 from covrl.train import faults
+from covrl.train.run import checkpoint as ckpt
 
 
 def enospc(*args, **kwargs):
@@ -99,7 +99,7 @@ def test_clean_temporary_removes_partials_and_restores_an_interrupted_swap(tmp_p
 
 def _run(tmp_path, name, *extra, resume=False, capsys=None):
     from covrl.config import load_config
-    from covrl.train.launch import train_from_config
+    from covrl.train.launch.modes import train_from_config
 
     torch.set_num_threads(1)
     cfg = load_config(TINY, tiny_overrides(tmp_path, name, "logging.console=false", "sft_warmup.steps=0",
@@ -167,7 +167,7 @@ def _at_call(n: int, exc: BaseException, real=None):
 def _nan_after_two_steps(monkeypatch):
     import math
 
-    from covrl.train import trainer as trainer_module
+    from covrl.train.step import trainer as trainer_module
 
     real = trainer_module.forward_response
     calls = {"n": 0}
@@ -207,8 +207,8 @@ EXITS = {
 
 @pytest.mark.parametrize("case", list(EXITS))
 def test_every_exit_of_covrl_train_leaves_a_final_summary(tmp_path, monkeypatch, capsys, case):
-    from covrl.train import run as run_module
-    from covrl.train import sources as sources_module
+    from covrl.train.run import folder as run_module
+    from covrl.train.run import sources as sources_module
 
     extra, fault, code, status, reason = EXITS[case]
     if fault == "enospc":
@@ -237,7 +237,7 @@ def test_every_exit_of_covrl_train_leaves_a_final_summary(tmp_path, monkeypatch,
     assert reason in summary["reason"], summary["reason"]
     if code != 1:
         err = capsys.readouterr().err
-        if case == "reward-error":   # the user's function's own traceback is shown (issue 17), covrl's is not
+        if case == "reward-error":   # the user's function's own traceback is shown, covrl's is not
             assert "in crash" in err and "covrl/train/" not in err, err
         else:
             assert "Traceback" not in err
@@ -297,7 +297,7 @@ def test_resume_when_no_checkpoint_loads_is_a_clear_error_and_changes_nothing(tm
 
 def test_resume_without_a_complete_checkpoint_starts_from_scratch_in_place(tmp_path, capsys):
     from covrl.config import load_config
-    from covrl.train.run import choose_run_dir
+    from covrl.train.run.folder import choose_run_dir
 
     assert _cli(tmp_path, "ref", "loop.steps=2") == 0
     # what a kill before the first complete checkpoint leaves: config, a half-written checkpoint, the first

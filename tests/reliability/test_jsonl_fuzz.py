@@ -189,7 +189,7 @@ def test_overlong_prompt_met_mid_run_stops_with_a_clear_message(tmp_path, capsys
     import torch
 
     from covrl.config import load_config
-    from covrl.train.launch import train_from_config
+    from covrl.train.launch.modes import train_from_config
 
     torch.set_num_threads(1)
     long_task(tmp_path)  # writes long.jsonl
@@ -207,7 +207,7 @@ def test_prompts_beyond_the_model_context_are_rejected_with_a_clear_message(tmp_
     import torch
 
     from covrl.config import load_config
-    from covrl.train.launch import train_from_config
+    from covrl.train.launch.modes import train_from_config
 
     torch.set_num_threads(1)
     long_task(tmp_path)

@@ -22,8 +22,8 @@ import pytest
 import torch
 from _reliability_tiny import REPO, TINY, comparable, final_weights, metrics, tiny_overrides
 
-from covrl.train import checkpoint as ckpt
 from covrl.train import faults
+from covrl.train.run import checkpoint as ckpt
 
 pytestmark = pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
 

@@ -18,9 +18,9 @@ from covrl.config import load_config
 from covrl.math import ADVANTAGE_ESTIMATORS, POLICY_LOSSES
 from covrl.models import tiny_llama
 from covrl.rollout.types import RolloutBatch, ScoredBatch
-from covrl.train import checkpoint as ckpt
-from covrl.train import trainer as trainer_module
-from covrl.train.trainer import Trainer, TrainingDivergedError, forward_response
+from covrl.train.run import checkpoint as ckpt
+from covrl.train.step import trainer as trainer_module
+from covrl.train.step.trainer import Trainer, TrainingDivergedError, forward_response
 
 VOCAB, GROUPS, N, P, T = 100, 2, 4, 3, 5
 COMBOS = sorted({(a, "covariance") for a in ADVANTAGE_ESTIMATORS} | {("otb", loss) for loss in POLICY_LOSSES}
@@ -180,7 +180,7 @@ def test_persistent_nan_in_a_run_stops_with_exit_3_and_a_usable_checkpoint(tmp_p
     """Trainer log-probs turn NaN from step 3 on: steps 3-4 are skipped (weights untouched, still
     checkpointed on the data clock), step 5 stops the run. The last checkpoint holds the step-2 weights,
     loads, and a resume without the fault completes the run."""
-    from covrl.train.launch import train_from_config
+    from covrl.train.launch.modes import train_from_config
 
     torch.set_num_threads(1)
     calls = {"n": 0}

@@ -84,8 +84,8 @@ def test_reward_errors_are_logged_per_step_in_a_run(tmp_path):
     import torch
 
     from covrl.config import load_config
-    from covrl.train.loop import train_sync
-    from covrl.train.run import prepare_run
+    from covrl.train.run.driver import train_sync
+    from covrl.train.run.folder import prepare_run
 
     torch.set_num_threads(1)
     cfg = load_config(HERE.parents[1] / "configs" / "tiny.yaml", [

@@ -19,7 +19,7 @@ import torch
 from _reliability_tiny import TINY, tiny_overrides
 
 from covrl.config import ConfigError, load_config
-from covrl.train import checkpoint as ckpt
+from covrl.train.run import checkpoint as ckpt
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "covrl"
 # the only place that turns a user-named file into a module (task.reward_fn = "path/to/file.py:function")
@@ -27,7 +27,7 @@ FILE_EXEC_ALLOWED = {"tasks/rewards.py"}
 SAFE_YAML_LOADERS = {"_Loader", "SafeLoader", "CSafeLoader", "yaml.SafeLoader", "yaml.CSafeLoader"}
 # (file, enclosing function) -> why a full unpickle is acceptable there
 UNPICKLE_ALLOWED = {
-    ("train/worker_pool.py", "_loads"): "messages from covrl's own spawned sampler process (what a multiprocessing "
+    ("train/asyncrl/process_pool.py", "_loads"): "messages from covrl's own spawned sampler process (what a multiprocessing "
                                         "queue unpickles anyway); never data from disk or the network",
 }
 
@@ -172,7 +172,7 @@ class _Payload:
 
 
 def test_a_pickled_payload_in_a_checkpoint_is_refused_not_run(tmp_path, capsys):
-    from covrl.train.launch import train_from_config
+    from covrl.train.launch.modes import train_from_config
 
     torch.set_num_threads(1)
     overrides = tiny_overrides(tmp_path, "sec", "logging.console=false", "sft_warmup.steps=0", "loop.steps=1",

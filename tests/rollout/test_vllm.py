@@ -21,13 +21,13 @@ from covrl.models import ModelConfig, load_model  # noqa: E402
 from covrl.models.loading import LoraConfig  # noqa: E402
 from covrl.rollout import SamplerConfig, build_sampler, filtered_logprobs  # noqa: E402
 from covrl.tasks import build_task  # noqa: E402
-from covrl.train.async_config import AsyncLoopConfig  # noqa: E402
-from covrl.train.async_loop import prepare_async_run, train_async  # noqa: E402
-from covrl.train.async_pools import clone_weights  # noqa: E402
-from covrl.train.loop import train_sync  # noqa: E402
-from covrl.train.run import prepare_run  # noqa: E402
-from covrl.train.sinks import read_jsonl  # noqa: E402
-from covrl.train.worker_pool import SamplerWorker  # noqa: E402
+from covrl.train.asyncrl.config import AsyncLoopConfig  # noqa: E402
+from covrl.train.asyncrl.pools import clone_weights  # noqa: E402
+from covrl.train.asyncrl.process_pool import SamplerWorker  # noqa: E402
+from covrl.train.asyncrl.source import prepare_async_run, train_async  # noqa: E402
+from covrl.train.run.driver import train_sync  # noqa: E402
+from covrl.train.run.folder import prepare_run  # noqa: E402
+from covrl.train.run.sinks import read_jsonl  # noqa: E402
 
 SHAPE = {"hidden_size": 64, "num_layers": 2, "num_heads": 2, "intermediate_size": 128, "max_positions": 256}
 PROMPTS = [[5, 76, 12, 84], [13, 9, 84], [20, 21, 22, 23, 24, 25, 84]]
@@ -432,7 +432,7 @@ def test_ray_sampler_actor_with_vllm_equals_sync(sync_run):
     sys.path.insert(0, str(Path(__file__).parents[1] / "train"))
     import train_helpers
 
-    from covrl.train.ray_backend import train_ray
+    from covrl.train.asyncrl.ray_pool import train_ray
 
     cfg, sync_records, sync_summary = sync_run
     cfg = cfg.model_copy(update={"loop": cfg.loop.model_copy(update={"mode": "ray"}),

@@ -23,7 +23,8 @@ def test_rollout_bench_times_the_vllm_side_on_the_same_rows(tmp_path):
     args = parser.parse_args(["--quick", "--batch-sizes", "8", "--vllm-engine", "in-process", "--out",
                               str(tmp_path / "out"), "--cache-dir", str(tmp_path / "cache")])
     assert rollout_bench.run(args) == 0
-    res = json.loads(next((tmp_path / "out").glob("*.json")).read_text())["results"]
+    path = next((tmp_path / "out").glob("rollout-tiny-quick/*.json"))
+    res = json.loads(path.read_text())["results"]
     assert res["vllm"]["skipped"] is None and res["vllm"]["engine"] == "in-process"
     (row,) = res["rows"]
     assert row["batch"] == 8 and row["rows_per_prompt"] == 8
@@ -31,4 +32,4 @@ def test_rollout_bench_times_the_vllm_side_on_the_same_rows(tmp_path):
         assert 8 <= r["tokens"] <= 8 * 8 and 1 <= r["decode_steps"] <= 8
     assert row["vllm_tok_s"] > 0
     assert row["vllm_over_generate"] == pytest.approx(row["vllm_tok_s"] / row["generate_tok_s"])
-    assert "vllm tok/s" in (tmp_path / "out" / "rollout-tiny-quick.md").read_text()
+    assert "vllm tok/s" in path.with_suffix(".md").read_text()

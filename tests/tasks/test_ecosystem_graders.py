@@ -24,7 +24,7 @@ def _train(tmp_path, name, overrides):
     import torch
 
     from covrl.config import load_config
-    from covrl.train.launch import train_from_config
+    from covrl.train.launch.modes import train_from_config
 
     torch.set_num_threads(1)
     cfg = load_config(REPO / "configs" / "tiny.yaml",

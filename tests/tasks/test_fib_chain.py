@@ -44,7 +44,7 @@ def test_every_step_is_the_recurrence_brute_force():
 
 
 def test_default_response_is_at_least_256_tokens_and_fits_the_preset():
-    from covrl.repro.presets import load_preset
+    from covrl.config import load_preset
 
     cfg = load_preset("tiny_chain")
     tok = char_tokenizer()

@@ -177,7 +177,7 @@ def test_run_stops_with_exit_2_and_the_traceback(tmp_path, rewards_file, capsys)
     import torch
 
     from covrl.config import load_config
-    from covrl.train.launch import train_from_config
+    from covrl.train.launch.modes import train_from_config
 
     torch.set_num_threads(1)
     cfg = load_config(REPO / "configs" / "tiny.yaml", [

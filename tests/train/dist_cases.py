@@ -14,7 +14,7 @@ from train_helpers import synthetic_batch, tiny_cfg
 
 from covrl.models import frozen_copy, tiny_llama
 from covrl.models.loading import apply_lora
-from covrl.train.trainer import Trainer
+from covrl.train.step.trainer import Trainer
 
 STEPS = 3
 AGG_MODES = ("token-mean", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")

@@ -1,4 +1,4 @@
-"""The bound algorithm (covrl.train.algorithm): equal to the covrl.math registry calls, options checked once with
+"""The bound algorithm (covrl.train.step.algorithm): equal to the covrl.math registry calls, options checked once with
 messages that name the field and the allowed options, the pairing rule as a property of the registered loss,
 and the step's metrics equal to the full-batch formulas although the step reuses its own pieces."""
 
@@ -18,8 +18,8 @@ from covrl.math import (
     rollout_correction,
 )
 from covrl.models import tiny_llama
-from covrl.train.algorithm import bind_algorithm
-from covrl.train.trainer import Trainer, forward_response
+from covrl.train.step.algorithm import bind_algorithm
+from covrl.train.step.trainer import Trainer, forward_response
 
 torch.set_num_threads(1)
 

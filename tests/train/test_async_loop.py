@@ -10,11 +10,11 @@ import torch
 
 from covrl.config import load_config
 from covrl.rollout.types import concat_batches
-from covrl.train.async_config import AsyncLoopConfig
-from covrl.train.async_loop import prepare_async_run, train_async
-from covrl.train.loop import train_sync
-from covrl.train.run import prepare_run
-from covrl.train.sinks import read_jsonl
+from covrl.train.asyncrl.config import AsyncLoopConfig
+from covrl.train.asyncrl.source import prepare_async_run, train_async
+from covrl.train.run.driver import train_sync
+from covrl.train.run.folder import prepare_run
+from covrl.train.run.sinks import read_jsonl
 
 # keys that measure wall time or only exist in the async loop
 SKIP_PREFIXES = ("time/", "async/", "gap/")
@@ -162,7 +162,7 @@ def test_queue_survives_resume(tmp_path):
     summary = train_async(first, acfg=acfg, stop_after=2)
     first.close()
     assert summary["status"] == "stopped"
-    from covrl.train import checkpoint as ckpt
+    from covrl.train.run import checkpoint as ckpt
 
     saved = ckpt.load_state(ckpt.latest_checkpoint(first.run_dir))["async"]
     queued = [c for c in saved["manager"]["chunks"]]
@@ -189,7 +189,7 @@ def test_resume_regenerates_the_chunk_in_flight(tmp_path):
     trained over both sessions are the stream in order, each once."""
     import threading
 
-    from covrl.train import checkpoint as ckpt
+    from covrl.train.run import checkpoint as ckpt
 
     torch.set_num_threads(1)
     cfg = tiny_cfg(tmp_path, steps=3, **{"checkpoint.every_rollouts": 16, "checkpoint.keep_last": 5,

@@ -12,10 +12,10 @@ from train_helpers import synthetic_batch, tiny_cfg
 from covrl.config import ConfigError, dump_config, load_config
 from covrl.models import load_model, precision
 from covrl.models.forward import full_logits
-from covrl.train.loop import train_sync
-from covrl.train.run import prepare_run
-from covrl.train.sinks import read_jsonl
-from covrl.train.trainer import forward_response
+from covrl.train.run.driver import train_sync
+from covrl.train.run.folder import prepare_run
+from covrl.train.run.sinks import read_jsonl
+from covrl.train.step.trainer import forward_response
 
 torch.set_num_threads(1)
 

@@ -1,4 +1,4 @@
-"""lr_for_batch: linear rule for SGD, square-root rule for Adam/AdamW (RESEARCH §9)."""
+"""lr_for_batch: linear rule for SGD, square-root rule for Adam/AdamW (docs/theory.md §9)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from covrl.train.batch_scaling import BatchScalingConfig, LagContext, lr_for_batch, scaled_lr
+from covrl.train.step.batch_scaling import BatchScalingConfig, LagContext, lr_for_batch, scaled_lr
 
 
 def test_rules_by_hand():
@@ -90,7 +90,7 @@ def test_trainer_applies_the_rule():
     """The run's lr follows batch_scaling: AdamW tuned at 8 rollouts/step, run at 32 -> lr x 2."""
     from covrl.config import load_config
     from covrl.models import tiny_llama
-    from covrl.train.trainer import Trainer
+    from covrl.train.step.trainer import Trainer
 
     model = tiny_llama(100, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_positions=32)
     over = ["optim.lr=1e-3", "loop.prompts_per_step=4", "loop.group_size=8", "model.source=tiny"]
@@ -102,12 +102,12 @@ def test_trainer_applies_the_rule():
 
 def test_sqrt_momentum_by_hand_and_reduces_to_sqrt():
     """sqrt_momentum = √(B/B0)·√(r(Q/B0)/r(Q/B)); at β1 = 0 (r ≡ 1) it is the plain square root."""
-    from covrl.train.batch_scaling import momentum_drift_factor
+    from covrl.train.step.batch_scaling import momentum_drift_factor
 
     lag = LagContext(beta1=0.9, queue_rollouts=256)
     want = 1e-5 * math.sqrt(4) * math.sqrt(momentum_drift_factor(0.9, 32) / momentum_drift_factor(0.9, 8))
     assert lr_for_batch(1e-5, 8, 32, "adamw", rule="sqrt_momentum", lag=lag) == pytest.approx(want, rel=1e-12)
-    assert want / 2e-5 == pytest.approx(1.481, abs=1e-3)          # the factor quoted in docs/results/async-gap.md
+    assert want / 2e-5 == pytest.approx(1.481, abs=1e-3)          # the factor quoted in studies/async_gap/README.md
     no_momentum = LagContext(beta1=0.0, queue_rollouts=256)
     for b in (8, 32, 128):
         assert lr_for_batch(1e-5, 8, b, "adamw", rule="sqrt_momentum", lag=no_momentum) == \
@@ -140,7 +140,7 @@ def _lagged_drift_variance(batch: int, lr: float, lag: int, beta1: float, steps:
 def test_sqrt_momentum_keeps_noise_drift_over_the_queue_fixed():
     """Brute force: with β1 = 0.9 and a queue of Q = 64 rollouts (lag 8 / 2 steps at B = 8 / 32), the drift over
     the lag stays within 10% under sqrt_momentum, while the plain √ rule loses most of it (r(2)/r(8) = 0.31)."""
-    from covrl.train.batch_scaling import momentum_drift_factor
+    from covrl.train.step.batch_scaling import momentum_drift_factor
 
     lag_ctx = LagContext(beta1=0.9, queue_rollouts=64)
     d8 = _lagged_drift_variance(8, 1e-3, 8, 0.9)
@@ -161,7 +161,7 @@ def test_sqrt_momentum_config_needs_an_async_queue():
         load_config(None, over)
     cfg = load_config(None, over + ["loop.mode=async", "async_loop.max_staleness_rollouts=256"])
     from covrl.models import tiny_llama
-    from covrl.train.trainer import Trainer
+    from covrl.train.step.trainer import Trainer
 
     model = tiny_llama(100, hidden_size=16, num_layers=1, num_heads=2, intermediate_size=32, max_positions=32)
     lag = LagContext(beta1=cfg.optim.betas[0], queue_rollouts=256)

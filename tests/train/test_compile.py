@@ -14,11 +14,11 @@ from test_trainer import grads_of_step, make_model
 from train_helpers import comparable, synthetic_batch, tiny_cfg
 
 from covrl.models.compiled import compile_module
-from covrl.train.distributed import TrainerConfig
-from covrl.train.loop import train_sync
-from covrl.train.run import prepare_run
-from covrl.train.sinks import read_jsonl
-from covrl.train.trainer import Trainer, forward_response
+from covrl.train.parallel.wrappers import TrainerConfig
+from covrl.train.run.driver import train_sync
+from covrl.train.run.folder import prepare_run
+from covrl.train.run.sinks import read_jsonl
+from covrl.train.step.trainer import Trainer, forward_response
 
 # metrics compared between the eager and the compiled step (wall times and the compile time differ)
 COMPARED = ("loss", "grad_norm", "loss/policy", "entropy", "kl/k3_mean")

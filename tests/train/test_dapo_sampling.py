@@ -14,11 +14,11 @@ from train_helpers import comparable, tiny_cfg
 from covrl.rollout.types import RolloutBatch
 from covrl.tasks import Example, TaskConfig, build_task
 from covrl.tasks.rewards import overlong_penalty
-from covrl.train.evaluate import pass_at_k
-from covrl.train.loop import train_sync
-from covrl.train.run import prepare_run
-from covrl.train.sinks import read_jsonl
-from covrl.train.sources import DynamicSamplingError, constant_groups
+from covrl.train.run.driver import train_sync
+from covrl.train.run.evaluate import pass_at_k
+from covrl.train.run.folder import prepare_run
+from covrl.train.run.sinks import read_jsonl
+from covrl.train.run.sources import DynamicSamplingError, constant_groups
 
 torch.set_num_threads(1)
 DYN = {"loop.dynamic_sampling": True, "sampler.temperature": 1.0, "eval.sampled": False}
@@ -76,7 +76,7 @@ def test_dynamic_sampling_resumes_exactly(tmp_path):
 
 def test_dynamic_sampling_cap_stops_a_constant_task(tmp_path):
     """Every reward 0 (weight 0): no group is ever kept; the cap ends the run with a clear error, exit code 2."""
-    from covrl.train.launch import train_from_config
+    from covrl.train.launch.modes import train_from_config
 
     cfg = tiny_cfg(tmp_path, **{"run.name": "const", **DYN, "loop.dynamic_sampling_max_rounds": 3,
                                 "eval.before": False, "task.rewards": [{"fn": "last_number", "weight": 0.0}]})

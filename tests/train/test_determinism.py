@@ -1,4 +1,4 @@
-"""Same seed, same thread count: bit-identical metrics whatever else the machine is doing (issue 18). The load
+"""Same seed, same thread count: bit-identical metrics whatever else the machine is doing. The load
 is two busy processes started beside the second run; only wall-time metrics may differ."""
 
 from __future__ import annotations
@@ -8,9 +8,9 @@ import time
 
 from train_helpers import comparable, tiny_cfg
 
-from covrl.train.loop import train_sync
-from covrl.train.run import prepare_run
-from covrl.train.sinks import read_jsonl
+from covrl.train.run.driver import train_sync
+from covrl.train.run.folder import prepare_run
+from covrl.train.run.sinks import read_jsonl
 
 
 def _burn(seconds: float) -> None:

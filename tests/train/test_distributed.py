@@ -13,7 +13,7 @@ from dist_cases import CASES, NOISE_SAME_SPLIT, case_batches, run_case, spawn_wo
 from test_trainer_noise import brute_force
 from train_helpers import TIME_KEYS, TIME_PREFIXES, tiny_cfg
 
-from covrl.train.distributed import shard_rows
+from covrl.train.parallel.wrappers import shard_rows
 
 torch.set_num_threads(1)
 
@@ -83,7 +83,7 @@ def test_fsdp2_refuses_the_noise_split_and_turns_the_default_off():
 
 
 def test_world_size_must_match_the_launcher(monkeypatch):
-    from covrl.train.distributed import init_process_group
+    from covrl.train.parallel.wrappers import init_process_group
 
     cfg = tiny_cfg(**{"trainer.parallel": "ddp", "trainer.world_size": 2})
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: False)   # both checks come before joining

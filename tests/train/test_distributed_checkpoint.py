@@ -18,9 +18,9 @@ from dist_cases import case_batches, make_model
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 from train_helpers import tiny_cfg
 
-from covrl.train import checkpoint as ckpt
-from covrl.train.distributed import Channel
-from covrl.train.trainer import Trainer
+from covrl.train.parallel.wrappers import DCP_DIR, Channel
+from covrl.train.run import checkpoint as ckpt
+from covrl.train.step.trainer import Trainer
 
 torch.set_num_threads(1)
 
@@ -125,7 +125,7 @@ def test_fsdp2_checkpoint_resumes_on_any_world_size(tmp_path):
     r = torch.load(tmp_path / "rank0.pt", weights_only=True)
     path = ckpt.latest_checkpoint(tmp_path)
     assert path.name == ckpt.checkpoint_name(24) and ckpt.is_complete(path)
-    assert (path / ckpt.DCP_DIR / ".metadata").is_file() and (path / ckpt.MODEL_DIR / "model.safetensors").is_file()
+    assert (path / DCP_DIR / ".metadata").is_file() and (path / ckpt.MODEL_DIR / "model.safetensors").is_file()
     assert not list((tmp_path / "checkpoints").glob(".tmp-*"))
 
     assert max_diff(r["resumed"], r["saved"]) == 0.0            # 2 -> 2: the state exactly

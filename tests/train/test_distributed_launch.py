@@ -18,7 +18,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from covrl.train import checkpoint as ckpt
+from covrl.train.parallel.wrappers import DCP_DIR
+from covrl.train.run import checkpoint as ckpt
 
 torch.set_num_threads(1)
 
@@ -84,7 +85,7 @@ def test_torchrun_run_resumes_on_one_process(tmp_path, straight, mode):
     assert two.stdout.count("run folder:") == 1    # only rank 0 speaks
     summary = json.loads((tmp_path / "two" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 2
-    assert (ckpt.latest_checkpoint(tmp_path / "two") / ckpt.DCP_DIR).is_dir() == (mode == "fsdp2")
+    assert (ckpt.latest_checkpoint(tmp_path / "two") / DCP_DIR).is_dir() == (mode == "fsdp2")
     resumed = _covrl(["--resume", "--name", str(tmp_path / "two"), "loop.steps=3", "trainer.parallel=none"],
                      ranks=None, cwd=tmp_path)
     assert resumed.returncode == 0, resumed.stderr[-3000:]

@@ -13,11 +13,11 @@ import torch
 from train_helpers import comparable, tiny_cfg
 
 from covrl.cli import main as covrl_main
-from covrl.train import checkpoint as ckpt
-from covrl.train.data import DataStream
-from covrl.train.loop import train_sync
-from covrl.train.run import prepare_run
-from covrl.train.sinks import read_jsonl
+from covrl.train.run import checkpoint as ckpt
+from covrl.train.run.driver import train_sync
+from covrl.train.run.folder import prepare_run
+from covrl.train.run.sinks import read_jsonl
+from covrl.train.run.stream import DataStream
 
 torch.set_num_threads(1)
 
@@ -209,7 +209,7 @@ def test_optional_sinks_name_their_extra(tmp_path):
     import importlib.util
 
     from covrl._lazy import MissingExtraError
-    from covrl.train.sinks import TensorBoardSink, WandbSink
+    from covrl.train.run.sinks import TensorBoardSink, WandbSink
 
     if importlib.util.find_spec("tensorboard") is None:
         with pytest.raises(MissingExtraError, match=r"covrl\[tensorboard\]"):

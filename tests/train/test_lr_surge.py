@@ -1,4 +1,4 @@
-"""Length-surge LR decay (RESEARCH §8): trigger logic on synthetic signal streams."""
+"""Length-surge LR decay (docs/theory.md §8): trigger logic on synthetic signal streams."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from pydantic import ValidationError
 
-from covrl.train.lr_surge import TRIGGER_METRICS, LengthSurgeConfig, LengthSurgeSchedule
+from covrl.train.step.lr_surge import TRIGGER_METRICS, LengthSurgeConfig, LengthSurgeSchedule
 
 B = 8  # rollouts per step in these streams
 

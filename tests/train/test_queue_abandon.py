@@ -9,7 +9,7 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import multiprocessing, time
-    from covrl.train.worker_pool import _abandon
+    from covrl.train.asyncrl.process_pool import _abandon
     q = multiprocessing.get_context("spawn").Queue()
     q.put(b"x" * 10_000_000)   # larger than a pipe's buffer, and nobody reads it: the feeder thread blocks
     time.sleep(0.5)

@@ -12,10 +12,10 @@ ray = pytest.importorskip("ray")
 
 import train_helpers  # noqa: E402
 
-from covrl.train.async_loop import prepare_async_run  # noqa: E402
-from covrl.train.loop import train_sync  # noqa: E402
-from covrl.train.run import prepare_run  # noqa: E402
-from covrl.train.sinks import read_jsonl  # noqa: E402
+from covrl.train.asyncrl.source import prepare_async_run  # noqa: E402
+from covrl.train.run.driver import train_sync  # noqa: E402
+from covrl.train.run.folder import prepare_run  # noqa: E402
+from covrl.train.run.sinks import read_jsonl  # noqa: E402
 
 pytestmark = pytest.mark.ray
 
@@ -35,7 +35,7 @@ def local_ray(tmp_path):
 
 
 def test_ray_backend_smoke(tmp_path, local_ray):
-    from covrl.train.ray_backend import start_sampler_actors, train_ray
+    from covrl.train.asyncrl.ray_pool import start_sampler_actors, train_ray
 
     sys_path = Path(__file__).parent
     import sys
@@ -82,7 +82,7 @@ def test_covrl_train_in_ray_mode_goes_through_the_common_exit_table(tmp_path, lo
     sys.path.insert(0, str(Path(__file__).parent))
     from test_async_loop import tiny_cfg
 
-    from covrl.train.launch import train_from_config
+    from covrl.train.launch.modes import train_from_config
 
     hostile = Path(__file__).parents[1] / "reliability" / "_hostile_rewards.py"
     base = {"loop.mode": "ray", "async_loop.sampler_cpus": 1, "async_loop.trainer_cpus": 1, "eval.after": False,
@@ -107,7 +107,7 @@ def test_ray_backend_runs_episodes(tmp_path, local_ray):
     the sync loop's episodes."""
     import sys
 
-    from covrl.train.ray_backend import start_sampler_actors, train_ray
+    from covrl.train.asyncrl.ray_pool import start_sampler_actors, train_ray
 
     sys.path.insert(0, str(Path(__file__).parent))
     from test_async_loop import tiny_cfg

@@ -1,5 +1,5 @@
 """`loop.mode=ray trainer.parallel=ddp|fsdp2 trainer.world_size=2`: two Ray trainer actors join one gloo group and run
-covrl.train.distributed_run (rank 0 the leader: run folder, sampler actors, logging, checkpoints; rank 1 a
+covrl.train.launch.ranks (rank 0 the leader: run folder, sampler actors, logging, checkpoints; rank 1 a
 follower), the code torchrun's ranks run. At staleness 0 the Ray loop trains on the sync loop's batches, so a
 2-step group run resumed to 3 steps (on one process's async loop; by a new group: the slow test) has the weights and Adam
 moments of a straight one-process sync run on the same global batches (the distributed tests' tolerance, 5e-6 /
@@ -14,9 +14,10 @@ import torch
 from safetensors.torch import load_file
 from train_helpers import local_ray, tiny_cfg
 
-from covrl.train import checkpoint as ckpt
-from covrl.train.launch import train_from_config
-from covrl.train.sinks import read_jsonl
+from covrl.train.launch.modes import train_from_config
+from covrl.train.parallel.wrappers import DCP_DIR
+from covrl.train.run import checkpoint as ckpt
+from covrl.train.run.sinks import read_jsonl
 
 pytest.importorskip("ray")
 pytestmark = pytest.mark.ray
@@ -53,7 +54,7 @@ def _group_then_resume(tmp_path, straight, resume: dict, mode: str = "ddp") -> N
                                                                  "trainer.parallel": mode})) == 0
         summary = json.loads((tmp_path / "group" / "summary.json").read_text())
         assert summary["trainer"] == {"parallel": mode, "world_size": 2} and summary["steps"] == 2
-        assert (ckpt.latest_checkpoint(tmp_path / "group") / ckpt.DCP_DIR).is_dir() == (mode == "fsdp2")
+        assert (ckpt.latest_checkpoint(tmp_path / "group") / DCP_DIR).is_dir() == (mode == "fsdp2")
         assert train_from_config(tiny_cfg(tmp_path, **COMMON, **resume, **{"run.name": "group"}), resume=True) == 0
     summary = json.loads((tmp_path / "group" / "summary.json").read_text())
     assert summary["status"] == "completed" and summary["steps"] == 3 and summary["resumed_from"]

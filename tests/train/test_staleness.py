@@ -1,4 +1,4 @@
-"""Admission control and the ticket-ordered rollout queue (covrl.train.staleness), driven by a discrete-event
+"""Admission control and the ticket-ordered rollout queue (covrl.train.asyncrl.staleness), driven by a discrete-event
 simulation with random generation and training times (hypothesis)."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from covrl.train.staleness import StalenessManager, staleness_metrics
+from covrl.train.asyncrl.staleness import StalenessManager, staleness_metrics
 
 
 def simulate(*, chunk: int, chunks_per_step: int, lag: int | None, samplers: int, steps: int, seed: int,

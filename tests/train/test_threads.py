@@ -1,4 +1,4 @@
-"""run.num_threads (covrl.train.threads): the auto rule on hand cases, the config's errors, the run record, and
+"""run.num_threads (covrl.train.run.threads): the auto rule on hand cases, the config's errors, the run record, and
 that every entry point that builds a run sets its thread count through apply_num_threads."""
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import torch
 from train_helpers import tiny_cfg
 
 from covrl.config import ConfigError, build_config, load_config
-from covrl.train import threads as threads_mod
 from covrl.train.config import RunConfig
-from covrl.train.threads import ThreadChoice, auto_threads, reserved_cores, resolve_num_threads
+from covrl.train.run import threads as threads_mod
+from covrl.train.run.threads import ThreadChoice, auto_threads, reserved_cores, resolve_num_threads
 
 
 @pytest.fixture(autouse=True)
@@ -98,7 +98,7 @@ def _summary(run) -> dict:
 
 
 def test_run_records_the_resolved_count(tmp_path, monkeypatch):
-    from covrl.train.run import prepare_run
+    from covrl.train.run.folder import prepare_run
 
     machine(monkeypatch, cores=3, cpu_count=3, load1=1.2)   # auto: 3 - 1 = 2 threads
     run = prepare_run(tiny_cfg(tmp_path, **{"run.name": "auto", "run.num_threads": "auto", "sft_warmup.steps": 0}), console=False)
@@ -127,10 +127,10 @@ class _Applied(Exception):
 def _entry_points(tmp_path):
     """Each entry point that builds a run, called with a tiny config of run.num_threads=1."""
     from covrl.api import TrainingClient
-    from covrl.train import cli_eval
-    from covrl.train.distributed_run import follow
-    from covrl.train.ray_backend import TrainerActor
-    from covrl.train.run import prepare_run
+    from covrl.train.launch import cli_eval
+    from covrl.train.launch.ranks import follow
+    from covrl.train.launch.ray import TrainerActor
+    from covrl.train.run.folder import prepare_run
 
     cfg = tiny_cfg(tmp_path, **{"run.num_threads": 1})
     hf = tmp_path / "hf"

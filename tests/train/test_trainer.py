@@ -19,8 +19,8 @@ from covrl.math import (
 )
 from covrl.models import frozen_copy, tiny_llama
 from covrl.rollout.types import RolloutBatch
-from covrl.train.schedule import lr_factor
-from covrl.train.trainer import Trainer, TrainingDivergedError, forward_response
+from covrl.train.step.schedule import lr_factor
+from covrl.train.step.trainer import Trainer, TrainingDivergedError, forward_response
 
 torch.set_num_threads(1)
 

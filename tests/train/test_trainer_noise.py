@@ -1,4 +1,4 @@
-"""The trainer's gradient-noise metrics (RESEARCH §7 split in parameter units) against brute force: the gradient
+"""The trainer's gradient-noise metrics (docs/theory.md §7 split in parameter units) against brute force: the gradient
 of each micro-batch computed on its own."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from test_trainer import assert_grads_close, grads_of_step, make_model
 from train_helpers import synthetic_batch, tiny_cfg
 
 from covrl.diagnostics.noise import micro_batch_noise_scale
-from covrl.train.trainer import Trainer, _halves
+from covrl.train.step.trainer import Trainer, _halves
 
 torch.set_num_threads(1)
 
@@ -77,7 +77,7 @@ def test_noise_triggered_lr_decay_follows_the_logged_noise_ema():
     """lr_surge.trigger=noise: the Trainer feeds the schedule noise/noise_ema after each step; replaying an
     independent LengthSurgeSchedule on the logged values gives the same ratio, decays and scale, and each step's
     lr is the base lr times the scale left by the step before."""
-    from covrl.train.lr_surge import LengthSurgeSchedule
+    from covrl.train.step.lr_surge import LengthSurgeSchedule
 
     model = make_model()
     cfg = tiny_cfg(**{"optim.max_grad_norm": None, "optim.micro_batch_size": 32, "algorithm.advantage": "rloo",

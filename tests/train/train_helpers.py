@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from covrl.repro.presets import load_preset
+from covrl.config import load_preset
 from covrl.rollout.types import RolloutBatch
 
 # metrics that measure wall time (differ between identical runs)
@@ -46,7 +46,7 @@ def synthetic_batch(model, *, groups=3, group_size=4, prompt_len=5, max_len=6, v
     """A scored batch with random prompts (one per group unless shared_prompts=False) and responses of varying
     lengths (left-padded prompts, right-padded responses), sampler log-probs = the model's own log-probs +
     noise, binary rewards."""
-    from covrl.train.trainer import forward_response
+    from covrl.train.step.trainer import forward_response
 
     g = torch.Generator().manual_seed(seed)
     vocab = vocab or model.config.vocab_size

@@ -9,7 +9,7 @@ atomic checkpoints as building blocks for a loop the user writes (docs/api.md).
 
 Gradients accumulate over `forward_backward` calls until `optim_step`, as in Tinker. Rows are processed in
 micro-batches of `micro_batch_size` (None: all at once); a covrl.math loss is aggregated over the whole call's
-sampled tokens (each micro-batch contributes its share, as `covrl.train.trainer` does), so the micro-batch size
+sampled tokens (each micro-batch contributes its share, as `covrl.train.step.trainer` does), so the micro-batch size
 changes memory, not the gradient (up to float rounding).
 """
 
@@ -43,14 +43,23 @@ from covrl.models.loading import apply_lora  # the adapters load_model adds
 from covrl.rollout.sampler import SamplerConfig, build_sampler
 from covrl.rollout.types import ScoredBatch
 from covrl.tasks import build_task
-from covrl.train import checkpoint as ckpt
-from covrl.train.config import TrainConfig
-from covrl.train.data import DataStream
-from covrl.train.results import StepResult
-from covrl.train.run import Run, resolve_device, seed_everything
-from covrl.train.sft import sft_warmup
-from covrl.train.threads import apply_num_threads
-from covrl.train.trainer import Trainer, fold_micro_metrics
+from covrl.train import (
+    MODEL_DIR,
+    CheckpointError,
+    DataStream,
+    Run,
+    StepResult,
+    TrainConfig,
+    apply_model_weights,
+    apply_num_threads,
+    read_model_weights,
+    resolve_device,
+    save_checkpoint,
+    seed_everything,
+    sft_warmup,
+)
+from covrl.train import load_state as load_checkpoint_state
+from covrl.train.step.trainer import Trainer, fold_micro_metrics
 
 STATE_KEY = "api"
 SNAPSHOT_DIR = "sampler"   # <state_dir>/sampler/checkpoints/<name>/: weights saved for sampling later
@@ -165,10 +174,10 @@ class TrainingClient:
 
     @classmethod
     def from_run(cls, run: Run) -> TrainingClient:
-        """A client over a prepared covrl run (covrl.train.run.prepare_run): the run's model, sampler (whatever
+        """A client over a prepared covrl run (covrl.train.run.folder.prepare_run): the run's model, sampler (whatever
         `build_sampler_fn` made), sampling generator, task, stream and config, and its Trainer, which
         `train_step` drives. Such a client trains through `train_step` only (the Trainer owns the optimizer);
-        sampling, `forward` and snapshots work as on any client. covrl.repro.harness drives its arms so."""
+        sampling, `forward` and snapshots work as on any client. covrl.experiment.harness drives its arms so."""
         cfg = run.cfg
         client = cls(run.model, run.tokenizer, temperature=cfg.sampler.temperature, correction=cfg.correction,
                      micro_batch_size=cfg.optim.micro_batch_size, share_prompts=cfg.optim.share_prompts,
@@ -179,7 +188,7 @@ class TrainingClient:
         return client
 
     def train_step(self, batch: ScoredBatch) -> StepResult:
-        """One step of the config's whole algorithm on a scored batch: covrl.train.trainer.Trainer.step (the
+        """One step of the config's whole algorithm on a scored batch: covrl.train.step.trainer.Trainer.step (the
         config's advantages, correction, loss, KL, diagnostics, clipping, lr schedule, AdamW), as `covrl train`
         takes it; `version` follows the Trainer. Clients from `from_run` only. The batch's tensors must be
         normal tensors (a sampler's inference-mode tensors: clone them) for the Trainer's autograd."""
@@ -295,7 +304,7 @@ class TrainingClient:
                 agg_mode: str, options: Mapping[str, Any]) -> torch.Tensor:
         if spec.family == "tinker":
             return token_loss.sum()
-        # this micro-batch's share of the full-call aggregate (covrl.train.trainer's normaliser)
+        # this micro-batch's share of the full-call aggregate (covrl.train.step.trainer's normaliser)
         padded = _pad_cols(token_loss.float(), sampled_full.shape[1])
         placed = torch.zeros(sampled_full.shape, dtype=torch.float32, device=padded.device).index_copy(0, idx, padded)
         return aggregate(placed, sampled_full, agg_mode, norm_constant=options.get("norm_constant"))
@@ -363,9 +372,9 @@ class TrainingClient:
 
     def save_state(self, name: str) -> Path:
         """Weights, optimizer state, version and the sampling generator as an atomic covrl checkpoint
-        (covrl.train.checkpoint: COMPLETE marker last) at `<state_dir>/checkpoints/<name>/`; returns its path."""
+        (covrl.train.run.checkpoint: COMPLETE marker last) at `<state_dir>/checkpoints/<name>/`; returns its path."""
         _check_name(name)
-        return ckpt.save_checkpoint(self.state_dir, name, model=self.model, tokenizer=self.tokenizer,
+        return save_checkpoint(self.state_dir, name, model=self.model, tokenizer=self.tokenizer,
                                     state={"format": 1, STATE_KEY: self.state_dict()},
                                     info={"policy_version": self.version})
 
@@ -375,10 +384,10 @@ class TrainingClient:
         path = Path(path)
         if not path.is_dir() and (self.state_dir / "checkpoints" / path).is_dir():
             path = self.state_dir / "checkpoints" / path
-        state = ckpt.load_state(path)
+        state = load_checkpoint_state(path)
         if STATE_KEY not in state:
-            raise ckpt.CheckpointError(f"{path}: not a covrl.api checkpoint (no {STATE_KEY!r} state)")
-        ckpt.apply_model_weights(self.model, ckpt.read_model_weights(self.model, path / ckpt.MODEL_DIR))
+            raise CheckpointError(f"{path}: not a covrl.api checkpoint (no {STATE_KEY!r} state)")
+        apply_model_weights(self.model, read_model_weights(self.model, path / MODEL_DIR))
         self.zero_grad()
         if optimizer:
             s = state[STATE_KEY]
@@ -414,7 +423,7 @@ class TrainingClient:
         `create_sampling_client(name)` samples from it later, whatever version is current then."""
         _check_name(name)
         self.sampler.load_weights(self.model, self.version)
-        return ckpt.save_checkpoint(self.state_dir / SNAPSHOT_DIR, name, model=self.model,
+        return save_checkpoint(self.state_dir / SNAPSHOT_DIR, name, model=self.model,
                                     state={"format": 1, "version": self.version},
                                     info={"policy_version": self.version})
 
@@ -424,19 +433,19 @@ class TrainingClient:
         path = Path(snapshot)
         if not path.is_dir() and (self.state_dir / SNAPSHOT_DIR / "checkpoints" / path).is_dir():
             path = self.state_dir / SNAPSHOT_DIR / "checkpoints" / path
-        state = ckpt.load_state(path)   # refuses an incomplete folder
+        state = load_checkpoint_state(path)   # refuses an incomplete folder
         if "version" not in state:
-            raise ckpt.CheckpointError(f"{path}: not a save_weights_for_sampler snapshot (no version)")
+            raise CheckpointError(f"{path}: not a save_weights_for_sampler snapshot (no version)")
         return SamplingClient(self, int(state["version"]), path.name, snapshot=path)
 
     @contextlib.contextmanager
     def holding(self, weights: dict[str, torch.Tensor], version: int) -> Iterator[None]:
-        """The model and the sampler hold `weights` (as read by covrl.train.checkpoint.read_model_weights) for
+        """The model and the sampler hold `weights` (as read by covrl.train.run.checkpoint.read_model_weights) for
         the duration; then the trainable parameters (all that an optimizer step changes) are restored bit for
         bit and the sampler gets the current weights again (it holds version `self.version` after)."""
         current = [p.detach().clone() for p in self.params]
         try:
-            ckpt.apply_model_weights(self.model, weights)
+            apply_model_weights(self.model, weights)
             self.sampler.load_weights(self.model, version)
             yield
         finally:
@@ -513,7 +522,7 @@ class SamplingClient:
         if self.snapshot is None:
             return contextlib.nullcontext()
         if self._weights is None:
-            self._weights = ckpt.read_model_weights(self.owner.model, self.snapshot / ckpt.MODEL_DIR)
+            self._weights = read_model_weights(self.owner.model, self.snapshot / MODEL_DIR)
         return self.owner.holding(self._weights, self.version)
 
     def get_tokenizer(self):
@@ -550,7 +559,7 @@ def _sampler_update(params: SamplingParams, sampler) -> dict[str, Any]:
 
 
 def _adamw(params, hyper: dict[str, Any]) -> torch.optim.AdamW:
-    # the fused kernel when every parameter allows it, as covrl.train.trainer (same update, bit for bit)
+    # the fused kernel when every parameter allows it, as covrl.train.step.trainer (same update, bit for bit)
     fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
     return torch.optim.AdamW(params, **hyper, **({"fused": True} if fused else {}))
 

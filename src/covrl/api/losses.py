@@ -5,7 +5,7 @@ Two reductions, because the two families define their scale differently:
 
 - covrl.math losses (`covariance`, `reinforce`, `ppo_clip`, `gspo`, `gspo_token`, `gmpo`, `cispo`, `sapo`) are
   `LossSpec.compute` on the sampled tokens, aggregated with the call's `agg_mode` (default token-mean) over the
-  full sampled-token mask, so rejected tokens count in the normaliser as in `covrl.train.trainer` (TRM).
+  full sampled-token mask, so rejected tokens count in the normaliser as in `covrl.train.step.trainer` (TRM).
 - Tinker's names (`cross_entropy`, `importance_sampling`, `ppo`, `tinker_cispo` = Tinker's `cispo`, `dro`,
   `tinker_gspo` = Tinker's `gspo`) are per-token SUMS over every scored position (Tinker's convention), with
   Tinker's option names (`clip_low_threshold`, `clip_high_threshold` on the ratio, `beta` for dro).

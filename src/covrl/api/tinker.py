@@ -40,7 +40,7 @@ from covrl.api.client import resolve_config
 from covrl.api.losses import API_LOSSES
 from covrl.api.types import StaleSamplingClientError, TrainBatch
 from covrl.models import LoraConfig
-from covrl.train.checkpoint import CheckpointError
+from covrl.train import CheckpointError
 
 # Tinker's loss names whose meaning differs from covrl.math's entry of the same name
 _TINKER_NAMES = {"cispo": "tinker_cispo", "gspo": "tinker_gspo"}

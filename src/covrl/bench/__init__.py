@@ -3,8 +3,6 @@ under `benchmarks/` with the machine description. Timings live here, never in te
 
 BENCHES: dict[str, str] = {
     "trl": "covrl.bench.trl_bench",
-    "time-to-accuracy": "covrl.bench.time_to_accuracy",
-    "suite": "covrl.bench.suite",
     "rollout": "covrl.bench.rollout_bench",
     "step": "covrl.bench.step_bench",
     "async": "covrl.bench.async_bench",

@@ -22,13 +22,17 @@ import time
 from pathlib import Path
 
 from covrl.bench.common import write_bench
-from covrl.config import load_config
-from covrl.repro.presets import load_preset, override_strings
-from covrl.train.async_loop import prepare_async_run, train_async
-from covrl.train.loop import train_sync
-from covrl.train.ray_backend import ensure_ray, start_sampler_actors, train_ray
-from covrl.train.run import prepare_run
-from covrl.train.sinks import read_jsonl
+from covrl.config import load_config, load_preset, override_strings
+from covrl.train import (
+    ensure_ray,
+    prepare_async_run,
+    prepare_run,
+    read_jsonl,
+    start_sampler_actors,
+    train_async,
+    train_ray,
+    train_sync,
+)
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -178,5 +182,7 @@ def run(args: argparse.Namespace) -> int:
                 f"{os.getloadavg()[0]:.1f}; model {args.model}, B = {args.prompts_per_step * args.group_size} "
                 f"rollouts/step, {args.steps} steps, staleness bound {args.staleness}.")
     name = "async" + ("-quick" if args.quick else f"-{args.model}")
-    write_bench(name, results, "\n".join(lines) + note, Path(args.out))
+    headline = ", ".join(f"{mode} {r['ratio_to_sync']:.2f}x" for mode, r in results["modes"].items()
+                         if mode != "sync") + " sync rollouts/s"
+    write_bench(name, results, "\n".join(lines) + note, Path(args.out), headline=headline)
     return 0

@@ -6,7 +6,7 @@ import time
 
 from covrl.bench.settings import StepSettings
 from covrl.rollout import SamplerConfig, build_sampler
-from covrl.train.evaluate import evaluate
+from covrl.train import evaluate
 
 
 class Clock:

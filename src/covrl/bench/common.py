@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import re
 import resource
 import subprocess
 import time
@@ -35,16 +36,60 @@ def machine_description() -> dict[str, Any]:
     return info
 
 
-def write_bench(name: str, results: dict[str, Any], table: str, out_dir: Path = Path("benchmarks")) -> Path:
-    """Write benchmarks/<name>-<timestamp>.json and <name>.md (latest table)."""
-    out_dir.mkdir(parents=True, exist_ok=True)
-    stamp = time.strftime("%Y%m%d-%H%M%S")
-    payload = {"name": name, "machine": machine_description(), "written_at": stamp, "results": results}
-    path = out_dir / f"{name}-{stamp}.json"
+def cpu_slug(cpu_model: str | None) -> str:
+    """The file name of a CPU model's baseline: `(R)`/`(TM)` dropped, lowercased, other characters as `-`
+    ("Intel(R) Xeon(R) Processor" -> "intel-xeon-processor")."""
+    text = re.sub(r"\((R|TM)\)", "", cpu_model or "unknown-cpu", flags=re.I).lower()
+    return re.sub(r"[^a-z0-9]+", "-", text).strip("-") or "unknown-cpu"
+
+
+def write_bench(name: str, results: dict[str, Any], table: str, out_dir: Path = Path("benchmarks"), *,
+                headline: str) -> Path:
+    """Write the baseline of benchmark `name` on this CPU model, `<out_dir>/<name>/<cpu>.json` (replacing the
+    previous one: git keeps the history) with its table `<cpu>.md`, and regenerate `<out_dir>/README.md`, the
+    summary of every baseline. `headline`: the one-line result the summary shows."""
+    machine = machine_description()
+    folder = Path(out_dir) / name
+    folder.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y-%m-%d %H:%M:%S")
+    payload = {"name": name, "machine": machine, "written_at": stamp, "headline": headline, "results": results}
+    path = folder / f"{cpu_slug(machine.get('cpu_model'))}.json"
     path.write_text(json.dumps(payload, indent=2, default=str))
-    (out_dir / f"{name}.md").write_text(f"# bench {name} ({stamp})\n\n{table}\n")
+    path.with_suffix(".md").write_text(f"# bench {name}: {machine.get('cpu_model')}, {stamp}\n\n{table}\n")
+    write_summary(Path(out_dir))
     print(table)
+    print(f"baseline: {path}")
     return path
+
+
+SUMMARY_HEAD = """# Benchmark baselines
+
+The newest result of each benchmark on each CPU model, as written by `covrl bench NAME`: one JSON per
+(benchmark, CPU), `benchmarks/<benchmark>/<cpu>.json`, with its table beside it (`<cpu>.md`). `<cpu>` is the
+JSON's `machine.cpu_model` with `(R)` and `(TM)` removed, lowercased, and every run of other characters than
+letters and digits replaced by `-`. A new run replaces the baseline of its CPU model; git keeps the older ones.
+What each benchmark measures, its command and how to read it: [docs/performance.md](../docs/performance.md).
+This file is generated (covrl.bench.common.write_summary).
+
+| benchmark | cpu | date | headline | file |
+|---|---|---|---|---|
+"""
+
+
+def write_summary(out_dir: Path) -> Path:
+    """`<out_dir>/README.md`: one row per baseline JSON (benchmark, CPU model, date, headline, file)."""
+    rows = []
+    for path in sorted(Path(out_dir).glob("*/*.json")):
+        try:
+            payload = json.loads(path.read_text())
+        except (OSError, ValueError):
+            continue
+        rel = path.relative_to(out_dir).as_posix()
+        rows.append(f"| {payload.get('name', path.parent.name)} | {payload.get('machine', {}).get('cpu_model')} | "
+                    f"{str(payload.get('written_at', ''))[:10]} | {payload.get('headline', '')} | [{rel}]({rel}) |")
+    target = Path(out_dir) / "README.md"
+    target.write_text(SUMMARY_HEAD + "\n".join(rows) + "\n")
+    return target
 
 
 def source_state() -> dict[str, Any]:

@@ -1,5 +1,5 @@
 """The covrl side of the covrl-vs-TRL benchmarks: a prepared covrl run stepped by the experiment harness
-(`covrl.repro.harness`), one step per 'go' from the parent (`covrl.bench.alternate`)."""
+(`covrl.experiment.harness`), one step per 'go' from the parent (`covrl.bench.alternate`)."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from covrl.bench.common import rss_peak_mb
 from covrl.bench.models import model_dir
 from covrl.bench.settings import StepSettings, bench_train_config
 from covrl.config import load_config
-from covrl.repro.harness import Arm, ArmRunner
-from covrl.train.data import DataStream
+from covrl.experiment import Arm, ArmRunner
+from covrl.train import DataStream
 
 
 def covrl_run_config(settings: StepSettings):

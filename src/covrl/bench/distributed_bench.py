@@ -32,8 +32,7 @@ from covrl.bench.common import load1, source_state, write_bench
 from covrl.bench.models import DEFAULT_CACHE, load_model
 from covrl.bench.settings import StepSettings, bench_train_config, default_task_overrides
 from covrl.bench.step_bench import synthetic_batch
-from covrl.train.distributed import Channel, free_port
-from covrl.train.trainer import Trainer
+from covrl.train import Channel, Trainer, free_port
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -187,5 +186,9 @@ def run(args: argparse.Namespace) -> int:
             f"DDP communication share (1 - no-sync / ddp step): {100 * comm['ddp_comm_share']:.0f}%; a standalone "
             f"all-reduce of the {comm['grad_numel'] / 1e6:.2f} M-float gradient: {1e3 * comm['allreduce_grad_s']:.1f} "
             f"ms; the leader's batch broadcast (per step in a run): {1e3 * comm['batch_broadcast_s']:.1f} ms.\n")
-    write_bench(f"distributed-{args.model}" + ("-quick" if args.quick else ""), results, "\n".join(table) + "\n" + note, Path(args.out))
+    ddp = next(r for r in rows if r["setup"].endswith(" ddp"))
+    headline = (f"{args.world} ranks DDP {ddp['speedup_vs_1x']:.2f}x one process; communication "
+                f"{100 * comm['ddp_comm_share']:.0f}%")
+    write_bench(f"distributed-{args.model}" + ("-quick" if args.quick else ""), results,
+                "\n".join(table) + "\n" + note, Path(args.out), headline=headline)
     return 0

@@ -61,5 +61,9 @@ def run(args: argparse.Namespace) -> int:
                      f"{rg['epp_small']:.1f} |")
     table = (f"T = {args.steps} rounds, {args.arms} arms, 1 seed, float64, {args.threads} thread(s); "
              "time = median over rounds of agent act + update.\n\n" + "\n".join(lines))
-    write_bench("explore", {"settings": vars(args) | {"out": str(args.out)}, "rows": rows}, table, args.out)
+    last = rows[-1]
+    headline = (f"d = {last['d']}: LinTS / Ensemble++ (M = {last['M_small']}) time per step "
+                f"{last['ratio_lints_over_epp_small']:.1f}x")
+    write_bench("explore", {"settings": vars(args) | {"out": str(args.out)}, "rows": rows}, table, args.out,
+                headline=headline)
     return 0

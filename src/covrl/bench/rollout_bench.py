@@ -84,7 +84,7 @@ def decode_costs(model) -> dict[str, float]:
 def decode_matmul_floor_s(model, batch: int, repeats: int = 5) -> float:
     """Seconds of one decode step's weight products alone: every nn.Linear of the model (the LM head included)
     applied to a (batch, in) input in the weights' dtype, back to back, best of `repeats`. What a decode step
-    could take with no other op and no dispatch overhead on this machine's matmul kernels: a floor measured
+    could take with no other op and no dispatch overhead on the local CPU's matmul kernels: a floor measured
     with the same kernels, beside the copy-bandwidth bound (which no GEMV kernel reaches exactly)."""
     import torch
 
@@ -318,14 +318,24 @@ def run(args: argparse.Namespace) -> int:
             f"weights read per step {costs['weight_bytes'] / 2**20:.0f} MiB. {vllm_note}"
             "% of roofline uses decode steps x B (padding rows after EOS count as work). Matmul floor: every "
             "linear layer's product at batch B alone, back to back (best of 5), i.e. the step's weight reads "
-            "through this machine's own matmul kernels with no other op or dispatch cost.\n")
+            "through the local CPU's own matmul kernels with no other op or dispatch cost.\n")
     table = "" if args.compile == "only" else header + "\n".join(lines)
     if compiled is not None:
         table += ("\n" if table else "") + compile_table(rows, args.compile_backend)
     write_bench(f"rollout-{args.model}" + ("" if args.dtype == "float32" else f"-{args.dtype}")
                 + ("-compile" if args.compile == "only" else "") + ("-quick" if args.quick else ""), results,
-                table + note, Path(args.out))
+                table + note, Path(args.out), headline=_headline(rows, args, with_vllm))
     return 0
+
+
+def _headline(rows: list[dict], args, with_vllm: bool) -> str:
+    """The largest batch's tokens/s per side (a compile-only run: compiled vs eager decode)."""
+    r = rows[-1]
+    if args.compile == "only":
+        return f"{args.dtype}, {r['batch']} row(s): compiled decode {r['compile']['decode_speedup']:.2f}x eager"
+    vllm = f", vLLM {r['vllm_tok_s']:.1f}" if with_vllm else ""
+    return (f"{args.dtype}, {r['batch']} rows: covrl {r['covrl_tok_s']:.1f} tok/s, generate "
+            f"{r['generate_tok_s']:.1f}{vllm} ({r['covrl_over_generate']:.2f}x)")
 
 
 def compile_table(rows: list[dict], backend: str) -> str:

@@ -9,7 +9,7 @@ from pathlib import Path
 from covrl.bench.models import DEFAULT_CACHE
 from covrl.settings import apply_overrides, build_section
 from covrl.tasks import TaskConfig, build_task
-from covrl.train.config import TrainConfig
+from covrl.train import TrainConfig
 
 
 @dataclasses.dataclass

@@ -26,7 +26,7 @@ score centring, Bernoulli(0.5) rewards in groups of `group_size`.
 
 Threads (`--threads 1,2,auto`): every timed call of 1. and 3. runs once per thread count, the counts
 alternating (reversed every repeat) so that load changes hit all alike; `auto` is `run.num_threads: auto`
-resolved once at start (covrl.train.threads). `--load N` starts N busy-loop processes, waits `--load-warmup`
+resolved once at start (covrl.train.run.threads). `--load N` starts N busy-loop processes, waits `--load-warmup`
 seconds so that the 1-minute load average (which auto reads) sees them, measures, and kills them; the tables
 state the load average."""
 
@@ -44,7 +44,7 @@ from covrl.math import kl_estimate, rollout_correction, token_logprobs
 from covrl.models import frozen_copy
 from covrl.models.precision import AUTOCAST_MODES, check_autocast, cpu_bf16_support
 from covrl.rollout import ScoredBatch
-from covrl.train.trainer import Trainer, forward_response
+from covrl.train import Trainer, forward_response
 
 # name -> config sections (dicts) merged over the plain step; "needs" lists extra inputs
 VARIANTS: dict[str, dict] = {
@@ -172,7 +172,7 @@ def _fwd_bwd(model, batch, with_stats: bool, share_prompts: bool = True, autocas
 
 def parse_threads(spec: str) -> list[int | str]:
     """`--threads`: comma-separated positive ints and/or 'auto', each at most once."""
-    from covrl.train.threads import check_num_threads
+    from covrl.train import check_num_threads
 
     arms: list[int | str] = []
     for part in (p.strip() for p in str(spec).split(",")):
@@ -284,7 +284,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
 
     import torch
 
-    from covrl.train.threads import resolve_num_threads
+    from covrl.train import resolve_num_threads
 
     modes = [m.strip() for m in args.autocast.split(",")]
     for mode in modes:
@@ -312,7 +312,9 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
         note = (f"\nmodel {args.model}, {count[arms[0]]} thread(s), prompt {args.prompt_length} tokens, groups of "
                 f"{args.group_size}, {args.repeats} alternating repeats (median).\n")
         write_bench(f"step-compile-{args.model}" + ("-quick" if args.quick else ""), results,
-                    compile_table(rows, args.compile_backend) + note, Path(args.out))
+                    compile_table(rows, args.compile_backend) + note, Path(args.out),
+                    headline=f"compiled fwd+bwd {rows[-1]['compiled_vs_eager']:.2f}x eager "
+                             f"({rows[-1]['micro_batch']} rows x {rows[-1]['response_length']} tokens)")
         return 0
 
     # the matmul roof per thread count and compute dtype (the bf16 modes share one), for the share-of-bound column
@@ -497,8 +499,19 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
     write_bench(f"step-{args.model}{tag}" + ("-quick" if args.quick else ""), results,
                 "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n\n" + t3 + t4
                 + ("" if compile_rows is None else "\n" + compile_table(compile_rows, args.compile_backend)) + note,
-                Path(args.out))
+                Path(args.out), headline=_headline(results))
     return 0
+
+
+def _headline(results: dict) -> str:
+    """The largest grid cell's fwd+bwd time per autocast mode, and prompt sharing's speed-up."""
+    cell = results["grid"][-1]
+    same = [g for g in results["grid"] if g["micro_batch"] == cell["micro_batch"]
+            and g["response_length"] == cell["response_length"] and g["threads_arm"] == cell["threads_arm"]]
+    modes = "; ".join(f"{g['autocast']} {g['fwd_bwd_s']:.2f} s ({100 * g['share_of_matmul_bound']:.0f}% of the "
+                      f"matmul bound)" for g in same)
+    return (f"fwd+bwd {cell['micro_batch']} rows x {cell['response_length']} tokens: {modes}; prompt sharing "
+            f"{results['prompt_sharing']['speedup']:.2f}x")
 
 
 def _spec(arm: str) -> int | str:

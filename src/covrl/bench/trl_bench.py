@@ -120,5 +120,8 @@ def run(args: argparse.Namespace) -> int:
               f"{'; covrl side with ' + ', '.join(settings.covrl_overrides) if settings.covrl_overrides else ''}.\n")
     name = (f"trl-{settings.model}" + ("-vllm" if settings.vllm else "") + ("-covrl-set" if settings.covrl_overrides
             else "") + ("-quick" if args.quick else ""))
-    write_bench(name, results, table, Path(args.out))
+    headline = (f"covrl/TRL throughput {ratios['throughput_covrl_over_trl']:.2f}x ({settings.n_prompts} x "
+                f"{settings.group_size} rollouts, {settings.max_new_tokens} tokens)" if ratios else
+                "failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
+    write_bench(name, results, table, Path(args.out), headline=headline)
     return 0 if any(summary.values()) else 1

@@ -1,4 +1,4 @@
-"""The seed's theory as measurements on tensors and nn.Modules (RESEARCH.md §1–§5, §7).
+"""The seed's theory as measurements on tensors and nn.Modules (docs/theory.md §1–§5, §7).
 
 Names are resolved lazily so that importing one diagnostic does not import them all."""
 

@@ -1,4 +1,4 @@
-"""The sampler Fisher as a cap on every coordinate of a policy-gradient update (RESEARCH §3–§4, seed ¶3–¶4).
+"""The sampler Fisher as a cap on every coordinate of a policy-gradient update (docs/theory.md §3–§4, seed ¶3–¶4).
 
 Covariance split: `E_q[A s] = E_q[A]·E_q[s] + Cov_q(A, s)` (drift / mean shift + signal). With A or the score
 centred under the sampler, only the covariance remains and Cauchy–Schwarz gives, per coordinate,
@@ -50,7 +50,7 @@ def _over_cap(value: torch.Tensor, cap: torch.Tensor, scale: torch.Tensor, rtol:
 
 def covariance_split(scores: torch.Tensor, advantages: torch.Tensor, weights: torch.Tensor | None = None,
                      *, rtol: float = 1e-9) -> CovarianceSplit:
-    """Split the policy gradient on a set of samples into drift and covariance (RESEARCH §0, identity 1).
+    """Split the policy gradient on a set of samples into drift and covariance (docs/theory.md §0, identity 1).
 
     scores [B, P]: score vectors s_b = ∇ log p(Y_b) (rows = samples); advantages [B]; weights [B] (optional,
     default uniform; pass exact probabilities for an enumeration). With E = Σ_b w_b (·):
@@ -307,7 +307,7 @@ def fisher_cap(
       grad = E[A s]                       (center="none": the uncentred estimator; can exceed the cap)
       grad = E[(A − Ā) s] = E[A (s − s̄)]  (center="advantage" / "score": on one empirical batch both equal
                                            Cov(A, s), so |grad_i| ≤ cap_i exactly — Cauchy–Schwarz)
-    Score centring under the sampler (RESEARCH §4) differs from advantage centring per token and in expectation;
+    Score centring under the sampler (docs/theory.md §4) differs from advantage centring per token and in expectation;
     on a single batch of whole sequences they coincide. sampler_logprobs ([B] = log q(Y_b), or [B, T] summed over
     T) is optional and only used to report the sampler–trainer mismatch of the batch (`mismatch_*` metrics).
 

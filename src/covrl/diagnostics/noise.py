@@ -1,8 +1,8 @@
-"""Gradient noise in parameter units: the signal / power / noise split of RESEARCH §7 and the gradient noise scale
+"""Gradient noise in parameter units: the signal / power / noise split of docs/theory.md §7 and the gradient noise scale
 of McCandlish et al. 2018 ("An Empirical Model of Large-Batch Training", appendix A), from gradient norms that a
 trainer with gradient accumulation already has, so it costs one norm per micro-batch.
 
-Why not the forward-only proxy P = mean_b Â_b²·Ŵ_b (RESEARCH §7)? It is the per-sequence gradient power of a
+Why not the forward-only proxy P = mean_b Â_b²·Ŵ_b (docs/theory.md §7)? It is the per-sequence gradient power of a
 model whose parameters are the per-position logits; a real network's gradient norm ‖ḡ‖² is in parameter units
 (it also carries ‖h‖² and the layers below), so (P − ‖ḡ‖²)/(N − 1) compares two different units and is clamped to
 0 on real models. covrl keeps that forward-only P as a trend (`adv/var_power`, covrl.math.advantages) and estimates

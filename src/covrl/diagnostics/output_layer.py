@@ -1,4 +1,4 @@
-"""What backpropagation carries into the network from the output layer (RESEARCH §1, seed ¶1).
+"""What backpropagation carries into the network from the output layer (docs/theory.md §1, seed ¶1).
 
 For logits z = W_U h (W_U ∈ R^{V×d}, rows w_v) and π = softmax(z/τ), one token's policy-gradient signal at the
 lm_head input is `A·∂ log π(y)/∂h = (A/τ)·(w_y − Σ_v π_v w_v)`. It lies in span{w_u − w_v : u, v competing} up

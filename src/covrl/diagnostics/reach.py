@@ -1,4 +1,4 @@
-"""Reach of one policy-gradient step (RESEARCH §2, seed ¶2), measured on a real `nn.Module`.
+"""Reach of one policy-gradient step (docs/theory.md §2, seed ¶2), measured on a real `nn.Module`.
 
 For a step Δθ = η g with g = E_q[A s] (A centred under the sampler q), the log-odds of two responses y1, y2 move
 at rate `⟨d, g⟩ = Cov_q(A, ⟨d, s(Y)⟩) ≤ std_q(A)·‖d‖_{F_q}`, d = s(y1) − s(y2), ‖d‖²_{F_q} = Var_q⟨d, s(Y)⟩.
@@ -314,7 +314,7 @@ def reach_bound(
     params=None,
     method: str = "auto",
 ) -> ReachBound:
-    """How fast one policy-gradient step can move the log-odds of y1 over y2 (RESEARCH §2).
+    """How fast one policy-gradient step can move the log-odds of y1 over y2 (docs/theory.md §2).
 
     sampler_batch: B sampled responses (`Sequences`, RolloutBatch, dict or tuple, see `as_sequences`);
     advantages [B] (one per sequence); y1, y2: one sequence each (same formats, one row), e.g. prompt + response.

@@ -1,4 +1,4 @@
-"""Sparsity of a fine-tuning update, with the share that storage precision explains (RESEARCH §3, seed ¶3).
+"""Sparsity of a fine-tuning update, with the share that storage precision explains (docs/theory.md §3, seed ¶3).
 
 The published measurement (Mukherjee et al. 2025, "RL finetunes small subnetworks") counts a parameter as
 not updated when `|bf16(θ1) − bf16(θ0)| ≤ 1e-5`. A bf16 number has 8 significant bits, so a change smaller than

@@ -1,4 +1,4 @@
-"""Spectrum of a weight update (RESEARCH §1): how many directions carry its energy."""
+"""Spectrum of a weight update (docs/theory.md §1): how many directions carry its energy."""
 
 from __future__ import annotations
 

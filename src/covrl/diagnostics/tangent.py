@@ -1,4 +1,4 @@
-"""Gain of a policy update measured from the sampler: tangent + remainder (RESEARCH.md §5).
+"""Gain of a policy update measured from the sampler: tangent + remainder (docs/theory.md §5).
 
 For any trainer p and sampler q with supp p ⊆ supp q, ρ(y) = p(y)/q(y) and r̄ = E_q[R]:
 
@@ -68,7 +68,7 @@ def tangent_remainder(
     *,
     weights: Tensor | None = None,
 ) -> TangentRemainder:
-    """Batch estimators of the tangent/remainder split of RESEARCH.md §5 (detached, computed in fp64).
+    """Batch estimators of the tangent/remainder split of docs/theory.md §5 (detached, computed in fp64).
 
     With lr_t = log p(y_t|c_t) − log q(y_t|c_t) on the drawn (sampler) tokens, log ρ_b = Σ_t lr_t and
     mean_b the batch mean (weighted by `weights` when given, normalised to sum 1):
@@ -83,7 +83,7 @@ def tangent_remainder(
         bound      = r_max·kl_seq;  bound_ratio = r_max·kl_seq_ratio
 
     `bound_ratio` bounds |remainder| on every batch (the inequality holds row by row); `bound` is the
-    estimator of R_max·KL_seq from RESEARCH.md (per-token k3, lower variance), which bounds the exact
+    estimator of R_max·KL_seq from docs/theory.md (per-token k3, lower variance), which bounds the exact
     remainder in expectation. With group ids, r̄ is the per-prompt (group) mean, i.e. the identity is applied
     per prompt and averaged over prompts. With `weights = q(y)` on the full enumeration of a small model all
     these equal their exact values. The 1/B means make `tangent` the biased (1/B) sample covariance.
@@ -309,7 +309,7 @@ def token_logprobs_from_tables(tables: Sequence[Tensor], sequences: Tensor | Non
 
 @dataclass
 class ExactTangentRemainder:
-    """Exact quantities of RESEARCH.md §5 on an enumerated model (0-d tensors, differentiable in the trainer).
+    """Exact quantities of docs/theory.md §5 on an enumerated model (0-d tensors, differentiable in the trainer).
 
     metrics: j_trainer, j_sampler, gain (= J(p) − J(q) from Σ p R − Σ q R), tangent, remainder, kl_seq, r_max,
     bound (= r_max·kl_seq), identity_error (= gain − tangent − remainder), remainder_over_bound.

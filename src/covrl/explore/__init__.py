@@ -1,4 +1,4 @@
-"""Ensemble++ (RESEARCH.md §10): scalable Thompson sampling with index-input models, baselines, bandit
+"""Ensemble++ (docs/theory.md §10): scalable Thompson sampling with index-input models, baselines, bandit
 environments, the agent loop and the sequential-JL covariance diagnostic.
 
 Names are resolved lazily so that `covrl bandit --help` (covrl.explore.cli) does not import torch."""

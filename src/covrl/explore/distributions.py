@@ -1,4 +1,4 @@
-"""Index distributions of Ensemble++ (RESEARCH.md §10).
+"""Index distributions of Ensemble++ (docs/theory.md §10).
 
 Two registries with one signature `fn(shape, M, generator, dtype) -> Tensor[*shape, M]`:
 

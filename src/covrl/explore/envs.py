@@ -1,4 +1,4 @@
-"""Bandit environments (RESEARCH.md §10), batched over S seeds.
+"""Bandit environments (docs/theory.md §10), batched over S seeds.
 
 Seed s of an environment built with `seed=base` uses its own generator seeded `base + s`, so an environment
 with S seeds is exactly S one-seed environments side by side (a batched linear agent and a one-seed neural

@@ -1,4 +1,4 @@
-"""Linear-Gaussian bandit agents (RESEARCH.md §10), batched over S independent seeds.
+"""Linear-Gaussian bandit agents (docs/theory.md §10), batched over S independent seeds.
 
 Model: y = ⟨x, θ⟩ + ε, ε ~ N(0, σ²), prior θ ~ N(0, Σ_0) with Σ_0 = prior_var · I. All agents keep the exact
 ridge posterior (μ_t, Σ_t) with rank-one (Sherman–Morrison / Kalman) updates, O(d²) per step:

@@ -1,4 +1,4 @@
-"""Neural bandit agents with index inputs (RESEARCH.md §10): Neural Ensemble++ and its baselines.
+"""Neural bandit agents with index inputs (docs/theory.md §10): Neural Ensemble++ and its baselines.
 
 NeuralEnsemblePP:  f(x, ζ) = b(h(x)) + ⟨(Θ + p·Θ⁰) ζ, sg(h(x))⟩
   h: shared feature extractor (any torch module; default an MLP), b: base linear head (trains h),
@@ -34,7 +34,7 @@ from covrl.explore.distributions import PERTURBATIONS, REFERENCES, get_perturbat
 
 
 class NeuralConfig(BaseModel):
-    """Hyper-parameters shared by the neural agents (defaults of RESEARCH.md §10)."""
+    """Hyper-parameters shared by the neural agents (defaults of docs/theory.md §10)."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -1,4 +1,4 @@
-"""How well the particles of Ensemble++ track the posterior covariance (sequential JL, RESEARCH.md §10).
+"""How well the particles of Ensemble++ track the posterior covariance (sequential JL, docs/theory.md §10).
 
 The diagnostic is the spectrum of Σ^{-1/2} A Aᵀ Σ^{-1/2}: all eigenvalues in [1−ε, 1+ε] means
 (1−ε)Σ ≼ AAᵀ ≼ (1+ε)Σ. With Σ = L Lᵀ (Cholesky), L⁻¹AAᵀL⁻ᵀ is orthogonally similar to Σ^{-1/2}AAᵀΣ^{-1/2}

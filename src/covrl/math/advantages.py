@@ -1,4 +1,4 @@
-"""Advantage estimators (RESEARCH §7), one registry with one signature.
+"""Advantage estimators (docs/theory.md §7), one registry with one signature.
 
 `compute_advantages(name, *, rewards, mask, group_ids, **inputs)` prepares an `AdvantageBatch` (token rewards,
 reward-to-go, per-sequence scores, compact group index) and calls `ADVANTAGE_ESTIMATORS[name](batch, **options)`,
@@ -163,7 +163,7 @@ def _otb_proxy(logprobs, sum_pi_sq, is_weights, mask) -> torch.Tensor:
 def otb(batch: AdvantageBatch, *, logprobs: torch.Tensor | None = None, sum_pi_sq: torch.Tensor | None = None,
         is_weights: torch.Tensor | None = None, handle_zero_tail: bool = True,
         zero_constant_groups: bool = False) -> torch.Tensor:
-    """Optimal Token Baseline (RESEARCH §7), per token and causal.
+    """Optimal Token Baseline (docs/theory.md §7), per token and causal.
 
     w_t = 1 − 2π_t(y_t) + Σπ_t² (·ρ̄_t² with `is_weights`), W_t = Σ_{j≤t} w_j m_j, G_t reward-to-go,
     B_t = Σ_{i∈g} G_t W_t m_t / (Σ_{i∈g} W_t m_t + 1e-8) per group and position t, A_t = (G_t − B_t)·m_t.
@@ -294,7 +294,7 @@ def make_advantage_batch(rewards: torch.Tensor, mask: torch.Tensor, group_ids: t
 
 
 def variance_proxies(advantages: torch.Tensor, mask: torch.Tensor, proxy: torch.Tensor) -> dict[str, float]:
-    """Forward-only gradient-variance proxies (RESEARCH §7), in logit-gradient units.
+    """Forward-only gradient-variance proxies (docs/theory.md §7), in logit-gradient units.
 
     Per sequence Â_b = mean_t A (valid tokens), Ŵ_b = Σ_t w_t m_t with w the logit-gradient proxy;
     total power P = mean_b Â_b²·max(Ŵ_b, 0) (exactly mean_b ‖g_b‖² when the parameters are the per-position
@@ -352,7 +352,7 @@ def compute_advantages(name: str, *, rewards: torch.Tensor, mask: torch.Tensor, 
     rewards [B] or [B, T]; mask [B, T]; group_ids [B] integer. Extra `inputs` are the estimator's options
     (e.g. otb: logprobs, sum_pi_sq, is_weights, handle_zero_tail; grpo: eps). Any estimator also accepts
     `logprobs` + `sum_pi_sq` (+ `is_weights`) to report the forward-only gradient-variance proxies of
-    RESEARCH §7. Unknown inputs raise a TypeError naming the accepted ones.
+    docs/theory.md §7. Unknown inputs raise a TypeError naming the accepted ones.
     Metrics: adv/mean, adv/std, adv/abs_max, adv/num_groups, adv/group_size_mean, adv/frac_zero_std_groups,
     adv/frac_singleton_groups, adv/score_mean, adv/score_std, adv/frac_zero_adv_tokens, adv/var_* (proxies).
     """

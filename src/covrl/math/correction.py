@@ -1,4 +1,4 @@
-"""Rollout correction (RESEARCH §6): importance weights, rejection (masking) and mismatch metrics.
+"""Rollout correction (docs/theory.md §6): importance weights, rejection (masking) and mismatch metrics.
 
 r_t = p_train(y_t|c_t)/q_sampler(y_t|c_t) on every drawn token, lr_t = log r_t clamped to ±20.
 
@@ -110,7 +110,7 @@ _Threshold = Annotated[float, AllowInfNan(True)]
 
 
 class CorrectionConfig(BaseModel):
-    """Rollout-correction options (RESEARCH §6; meanings compatible with verl's rollout_is / rollout_rs)."""
+    """Rollout-correction options (docs/theory.md §6; meanings compatible with verl's rollout_is / rollout_rs)."""
 
     # = covrl.settings.SECTION_POLICY, spelt out because covrl.math imports nothing from covrl (tests compare)
     model_config = ConfigDict(extra="forbid", validate_assignment=True, allow_inf_nan=False)

@@ -1,4 +1,4 @@
-"""Sample-based KL estimators on drawn tokens (RESEARCH §0, §5, §6).
+"""Sample-based KL estimators on drawn tokens (docs/theory.md §0, §5, §6).
 
 With the token drawn from the *sample* distribution s and the other distribution o,
 `log r = log o(y) − log s(y)` (clamped to ±20):
@@ -12,7 +12,7 @@ Straight-through (`straight_through=True`): the forward value is the chosen esti
 gradient of k2: `out = k2 − sg(k2) + sg(k_kind)`. Use it for a penalty on the trained policy's *own* samples
 (logp_sample carries the gradient, logp_other is a frozen reference): on-policy `E_p[∇ k2] = ∇ KL(p‖ref)`
 exactly, while the gradients of k1 and k3 taken this way are not the gradient of the KL. When the trained
-policy is `logp_other` and the tokens come from a fixed sampler (RESEARCH §5), the plain k1 and k3 gradients
+policy is `logp_other` and the tokens come from a fixed sampler (docs/theory.md §5), the plain k1 and k3 gradients
 are already unbiased for ∇ KL(sampler‖trainer) and no straight-through is needed.
 """
 

@@ -201,7 +201,7 @@ def sum_pi_squared(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tens
 
 
 def logit_grad_proxy(logprobs: torch.Tensor, sum_pi_sq: torch.Tensor) -> torch.Tensor:
-    """Logit-gradient proxy `w = ‖e_y − π‖² = 1 − 2π_y + Σ_v π_v²` (RESEARCH §1, §7), fp32, clamped at ≥ 0.
+    """Logit-gradient proxy `w = ‖e_y − π‖² = 1 − 2π_y + Σ_v π_v²` (docs/theory.md §1, §7), fp32, clamped at ≥ 0.
 
     logprobs [B, T]: log π_y of the drawn tokens (same temperature as `sum_pi_sq`); sum_pi_sq [B, T].
     This is the squared norm of ∂ log π_y / ∂z (z = logits/τ); it is 0 for a one-hot π on y and at most 2.

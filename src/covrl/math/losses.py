@@ -1,8 +1,8 @@
-"""Policy losses (RESEARCH §4–§6), one registry with one signature, plus loss aggregation.
+"""Policy losses (docs/theory.md §4–§6), one registry with one signature, plus loss aggregation.
 
 Every loss function in POLICY_LOSSES has the signature
     fn(*, logprobs, sampler_logprobs, advantages, mask, is_weights, **options) -> token_loss [B, T]
-and `policy_loss(name, ...)` aggregates it and adds shared metrics. The pairing rule of RESEARCH §6:
+and `policy_loss(name, ...)` aggregates it and adds shared metrics. The pairing rule of docs/theory.md §6:
 ppo_clip, gspo, gspo_token, gmpo, cispo and sapo take their ratio against `sampler_logprobs` and need no extra IS
 weights; covariance / reinforce use detached IS weights that multiply −A·log p. The rule is declared where a loss is registered
 (`LossSpec.ratio_vs_sampler`, read by `LossSpec.takes_is_weights`), with its user options read once from the
@@ -102,7 +102,7 @@ def _weights(is_weights: torch.Tensor | None, like: torch.Tensor) -> torch.Tenso
 
 
 def covariance_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None) -> torch.Tensor:
-    """Tangent (covariance) loss of RESEARCH §5: ℓ_t = −A_t · w_t · log p(y_t|c_t).
+    """Tangent (covariance) loss of docs/theory.md §5: ℓ_t = −A_t · w_t · log p(y_t|c_t).
 
     w_t = sg(is_weights) from `rollout_correction` if given, else 1: no ratio is formed, so the gradient is
     −A·∇log p, which with a centred A (e.g. dr_grpo) is the tangent Cov_q(R, ∇ log ρ) and equals ∇J at p = q.
@@ -259,7 +259,7 @@ LOSS_INPUTS = frozenset({"logprobs", "sampler_logprobs", "advantages", "mask", "
 class LossSpec(Registered):
     """A registered loss: `fn(*, logprobs, sampler_logprobs, advantages, mask, is_weights, **options) -> token_loss`
     (see `Registered`). `ratio_vs_sampler`: the loss takes its ratio against the sampler's log-probs, so by the
-    pairing rule (RESEARCH §6) it gets no extra IS weights (they would correct twice). `token_clip`: its
+    pairing rule (docs/theory.md §6) it gets no extra IS weights (they would correct twice). `token_clip`: its
     clip_low / clip_high options bound the token ratio ρ_t at 1 ∓ clip (ppo_clip, cispo), so the clip-fraction
     metrics use them; every other loss reports what PPO's defaults would clip."""
 
@@ -368,7 +368,7 @@ def policy_loss(name: str, *, logprobs: torch.Tensor, sampler_logprobs: torch.Te
 def score_centering_term(trainer_topk_logprobs: torch.Tensor, sampler_topk_logprobs: torch.Tensor,
                          advantages: torch.Tensor, mask: torch.Tensor, truncation: float | None = None,
                          agg_mode: str = "token-mean", *, norm_constant: float | None = None) -> LossOutput:
-    """Score-centring correction of RESEARCH §4, to ADD to the policy loss.
+    """Score-centring correction of docs/theory.md §4, to ADD to the policy loss.
 
     H = the sampler's top-k ids at each position; p_v = trainer prob of v ∈ H (full vocab, gradient flows),
     q_v = sampler prob. Tails floored at 1e-6: ρ_tail = max(1 − Σ_H q, 1e-6) / max(1 − Σ_H p, 1e-6).

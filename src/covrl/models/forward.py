@@ -1,7 +1,7 @@
 """Forward passes of a causal LM over [left-padded prompt | right-padded response], the transformers KV-cache
 shims, and response decoding: the model plumbing that the trainer, the HF sampler and evaluation share.
 
-Everything takes plain tensors (this layer knows no RolloutBatch); covrl.train.trainer.forward_response and
+Everything takes plain tensors (this layer knows no RolloutBatch); covrl.train.step.trainer.forward_response and
 covrl.rollout.decode_responses are the batch-taking wrappers.
 """
 

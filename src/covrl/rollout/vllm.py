@@ -53,7 +53,7 @@ process, and receives the trainer's weights without a restart.
 
 Several engines: one engine per process and options. The async loop's `process` pool
 (`async_loop.local_backend=process`, `async_loop.num_samplers` workers) and the Ray backend's sampler actors
-run `covrl.train.worker_pool.SamplerWorker`, which builds this sampler in its own process: every worker owns an
+run `covrl.train.asyncrl.process_pool.SamplerWorker`, which builds this sampler in its own process: every worker owns an
 engine, gets the weights the dispatcher sends through `load_weights`, and every row records the version of
 the weights that generated it; the trainer side keeps its own engine for evaluation.
 

@@ -19,11 +19,11 @@ from covrl.models import ModelConfig
 from covrl.rollout import SamplerConfig
 from covrl.settings import ConfigError, Section, build_section, load_section
 from covrl.tasks import TaskConfig
-from covrl.train.async_config import AsyncLoopConfig
-from covrl.train.batch_scaling import BatchScalingConfig
-from covrl.train.distributed import TrainerConfig
-from covrl.train.lr_surge import LengthSurgeConfig
-from covrl.train.threads import check_num_threads
+from covrl.train.asyncrl.config import AsyncLoopConfig
+from covrl.train.parallel.wrappers import TrainerConfig
+from covrl.train.run.threads import check_num_threads
+from covrl.train.step.batch_scaling import BatchScalingConfig
+from covrl.train.step.lr_surge import LengthSurgeConfig
 
 __all__ = ["AlgorithmConfig", "CheckpointConfig", "ConfigError", "EvalConfig", "KLConfig", "LoggingConfig",
            "LoopConfig", "OptimConfig", "RunConfig", "SFTWarmupConfig", "TrainConfig", "TrainerConfig", "build_config",
@@ -60,7 +60,7 @@ class RunConfig(Section):
     device: Literal["cpu", "cuda", "auto"] = Field("cpu", description="device of the trainer (and HF sampler)")
     num_threads: int | Literal["auto"] | None = Field(
         "auto", description="torch CPU threads: a count, 'auto' (the cores left free by the load average, shared "
-                            "among local trainer ranks; covrl.train.threads) or null (torch's default: one per "
+                            "among local trainer ranks; covrl.train.run.threads) or null (torch's default: one per "
                             "core); results depend on it")
     save_initial: bool = Field(False, description="save the weights at the start of RL in checkpoints/initial/")
 
@@ -159,7 +159,7 @@ class LoopConfig(Section):
     group_size: int = Field(8, ge=1, description="completions per prompt (a group for the advantage baseline)")
     dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling (sync mode): drop groups whose "
                                    "rewards are all equal and generate more until prompts_per_step groups are kept "
-                                   "(covrl.train.sources.DynamicSamplingSource)")
+                                   "(covrl.train.run.sources.DynamicSamplingSource)")
     dynamic_sampling_max_rounds: int = Field(16, ge=1, le=100_000, description="generation rounds per step at "
                                              "most; then the step trains on the groups kept so far, and a step "
                                              "that kept none stops the run (DynamicSamplingError, exit 2)")
@@ -209,9 +209,9 @@ class LoggingConfig(Section):
     wandb: bool = Field(False, description="log to Weights & Biases (extra: wandb)")
     wandb_project: str = Field("covrl", description="wandb project name")
     curves: bool = Field(True, description="draw curves.png at the end of the run")
-    diagnostics: bool = Field(True, description="log tangent/remainder/kl_seq/bound (RESEARCH §5) each step")
+    diagnostics: bool = Field(True, description="log tangent/remainder/kl_seq/bound (docs/theory.md §5) each step")
     noise_scale: bool | None = Field(
-        None, description="log the gradient noise split noise/* (RESEARCH §7, parameter units) from micro-batch "
+        None, description="log the gradient noise split noise/* (docs/theory.md §7, parameter units) from micro-batch "
         "gradient norms; a step that fits one micro-batch is then run as two halves of whole groups. None: on, "
         "except under trainer.parallel=fsdp2, which cannot measure it (docs/distributed.md)")
     noise_scale_every: int = Field(
@@ -234,7 +234,7 @@ class TrainConfig(Section):
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty to the reference model")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and lr schedule")
     lr_surge: LengthSurgeConfig = Field(default_factory=LengthSurgeConfig,
-                                        description="length-surge lr decay (RESEARCH §8)")
+                                        description="length-surge lr decay (docs/theory.md §8)")
     loop: LoopConfig = Field(default_factory=LoopConfig, description="orchestration and run length")
     eval: EvalConfig = Field(default_factory=EvalConfig, description="held-out evaluation")
     checkpoint: CheckpointConfig = Field(default_factory=CheckpointConfig, description="checkpoints")

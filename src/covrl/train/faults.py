@@ -15,11 +15,11 @@ The hooks are inert unless the environment asks for a fault, so production runs 
 
 Points wired into the code (one call each):
 
-    generate           covrl.train.loop.train_sync, after `sampler.generate` returned: the step's rollouts exist
+    generate           covrl.train.run.driver.train_sync, after `sampler.generate` returned: the step's rollouts exist
                        in memory only (drawn, not yet scored or trained)
-    backward           covrl.train.trainer.Trainer.step, after each micro-batch's `loss.backward()`: gradients
+    backward           covrl.train.step.trainer.Trainer.step, after each micro-batch's `loss.backward()`: gradients
                        half-accumulated, optimizer not stepped
-    checkpoint-write   covrl.train.checkpoint.save_checkpoint, after the weights are written into the temporary
+    checkpoint-write   covrl.train.run.checkpoint.save_checkpoint, after the weights are written into the temporary
                        folder and before trainer_state.pt / COMPLETE: a half-written checkpoint on disk
     checkpoint-commit  save_checkpoint, after COMPLETE is written and before the temporary folder is renamed
                        into place

@@ -1,0 +1,206 @@
+"""Asynchronous RL loop on a data clock (docs/theory.md §9): sampler(s) and trainer run concurrently through a rollout queue
+with admission control (`covrl.train.asyncrl.staleness`). `AsyncSource` is the rollout source the loop driver
+(`covrl.train.run.driver.run_loop`) reads from; the trainer side is the driver's, the same as the sync loop's.
+
+    sampler worker(s): newest published weights -> admit a chunk (capacity check) -> generate -> score -> queue
+    trainer:           next B rollouts in ticket order -> Trainer.step -> publish weights (every sync_every steps)
+
+Pools of sampler workers (`POOLS`, picked by `async_loop.emulate` / `async_loop.local_backend`, or given as a
+factory: the Ray backend's actors): `serial` and `thread` (covrl.train.asyncrl.pools), `process`
+(covrl.train.asyncrl.process_pool).
+
+Exactness at staleness 0: with Q = 0 a chunk can only start with the newest weights and only for the next
+step; the sampler draws prompts from the same deterministic stream position (ticket / group size) and uses the
+run's generator in the same order, so the metrics equal the sync loop's on the same seed.
+
+Checkpoint/resume: the queue (finished chunks with their rollouts and versions) and, for chunks still being
+generated, their tickets and the generator state before them are saved with the checkpoint (the source is
+registered with the run's checkpointer as "async"); after a resume these chunks are generated again first
+(same prompts, same RNG state), so no rollout is lost or trained twice.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from covrl.rollout import build_sampler
+from covrl.rollout.types import batch_from_state, batch_to_state, concat_batches
+from covrl.train.asyncrl.config import AsyncLoopConfig
+from covrl.train.asyncrl.pools import AsyncState, SamplerPool, SerialPool, ThreadPool
+from covrl.train.asyncrl.process_pool import ProcessPool, own_weights
+from covrl.train.run.driver import run_loop
+from covrl.train.run.folder import Run, prepare_run
+from covrl.train.run.sources import SourceBatch
+from covrl.train.step.results import StepResult
+
+__all__ = ["POOLS", "AsyncSource", "build_async_sampler", "prepare_async_run", "train_async"]
+
+# pool name -> factory(state); "ray" pools are made by covrl.train.asyncrl.ray_pool (its actors live outside)
+POOLS: dict[str, Callable[[AsyncState], SamplerPool]] = {"serial": SerialPool, "thread": ThreadPool,
+                                                          "process": ProcessPool}
+
+ASYNC_STATE_KEY = "async"
+
+
+def _async_checkpoint_state(state: AsyncState, pool: SamplerPool) -> dict[str, Any]:
+    """The queue and the sampler's RNG position, weights_only-safe. Chunks still generating are saved as
+    descriptors with the generator state before them; finished chunks with their scored rollouts."""
+    with state.cond:
+        mgr_state = state.manager.state_dict()
+        running = [c for c in mgr_state["chunks"] if not c["done"]]
+        rng = running[0]["meta"].get("rng_before") if running else None
+        if rng is None:
+            rng = pool.next_rng_state()
+        for c in mgr_state["chunks"]:
+            if c["payload"] is not None:
+                c["payload"] = batch_to_state(c["payload"])
+            c["meta"] = {k: v for k, v in c["meta"].items() if k in ("rng_before", "sampler", "restarted")}
+        pool_state = pool.state_dict()
+    return {"manager": mgr_state, "sampler_rng": rng, "queue_rollouts": state.queue_rollouts,
+            "chunk_rollouts": state.chunk_rollouts, "pool": type(pool).__name__, "pool_state": pool_state}
+
+
+def _restore_async_state(state: AsyncState, saved: dict[str, Any]) -> None:
+    run = state.run
+    mgr = state.manager
+    if int(saved["chunk_rollouts"]) != state.chunk_rollouts:
+        raise ValueError(f"resume: the checkpoint's chunks hold {saved['chunk_rollouts']} rollouts, this config "
+                         f"{state.chunk_rollouts}; keep loop.prompts_per_step, loop.group_size and "
+                         "async_loop.chunk_prompts unchanged across a resume")
+    ms = saved["manager"]
+    for c in ms["chunks"]:
+        if c["payload"] is not None:
+            c["payload"] = batch_from_state(c["payload"])
+    mgr.load_state_dict(ms)
+    run.generator.set_state(saved["sampler_rng"])
+
+
+class AsyncSource:
+    """Rollouts from a pool of sampler workers through the staleness queue (see the module docstring)."""
+
+    def __init__(self, run: Run, acfg: AsyncLoopConfig | None = None, *, pool: str | None = None,
+                 pool_factory: Callable[[AsyncState], SamplerPool] | None = None):
+        acfg = acfg or run.cfg.async_loop
+        if getattr(run.sampler, "shares_weights", False):
+            raise ValueError("the async loop needs a sampler with its own copy of the weights; build it with "
+                             "sampler.share_weights='never' (covrl.train.asyncrl.source.prepare_async_run does)")
+        self.run = run
+        self.state = state = AsyncState(run, acfg)
+        mgr = state.manager   # a fresh queue starts at the data clock (a sync-written checkpoint resumes so too)
+        mgr.accepted = mgr.consumed = mgr.next_ticket = run.trainer.rollouts
+        # the sampler holds the trainer's (checkpoint) weights at the trainer's version
+        run.sampler.load_weights(run.model, run.trainer.version)
+        if pool_factory is None:
+            name = pool or ("serial" if acfg.emulate else acfg.local_backend)
+            if name not in POOLS:
+                raise ValueError(f"unknown async pool {name!r}; allowed: {', '.join(POOLS)}")
+            pool_factory = POOLS[name]
+        self.pool = pool_factory(state)
+        state.num_samplers = self.pool.num_samplers
+        run.register(ASYNC_STATE_KEY, self)     # restores the queue, RNG and workers' positions on a resume
+        state.start_consumed = mgr.consumed
+        self.pool.sync_probe(run.model)
+        self._stopped = False
+        self._failure: BaseException | None = None
+
+    # -- checkpointer ------------------------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return _async_checkpoint_state(self.state, self.pool)
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        _restore_async_state(self.state, saved)
+        self.pool.load_state_dict(saved.get("pool_state"))
+
+    # -- RolloutSource -----------------------------------------------------------------------------------------
+    def start(self) -> None:
+        self.state.started = time.perf_counter()
+        self.pool.start()
+
+    def next_batch(self, trainer_version: int) -> SourceBatch:
+        res = self.pool.next_batch(trainer_version)
+        batch = concat_batches([c.payload for c in res.chunks], self.state.pad_id)
+        return SourceBatch(batch, dict(res.metrics))
+
+    def step_done(self, result: StepResult) -> None:
+        st = self.state
+        if result.skipped:   # no new policy version: admission must not wait for one
+            with st.cond:
+                st.manager.batch_skipped()
+                st.cond.notify_all()
+        # the data position of a consumed batch, as in the sync loop (prompts handed to the trainer)
+        self.run.stream.position = self.run.trainer.rollouts // st.group_size
+
+    def publish(self, model, version: int) -> None:
+        # a fully_shard-ed trainer (fsdp2) holds shards: gather the full weights here, in the loop's thread (a
+        # collective the other ranks join between steps), so that no sampler thread ever starts one
+        self.pool.publish(self.run.trainer.full_weights() if self.run.trainer.sharded else model, version)
+
+    def step_metrics(self, result: StepResult) -> dict[str, float]:
+        st = self.state
+        wall = max(time.perf_counter() - st.started, 1e-9)
+        with st.cond:
+            depth, outstanding = st.manager.queue_depth, st.manager.outstanding
+            consumed = st.manager.consumed - st.start_consumed
+        n = st.num_samplers
+        out = {
+            "async/queue_depth": float(depth), "async/outstanding": float(outstanding),
+            "async/queue_rollouts": float(st.queue_rollouts),
+            "async/sampler_idle_frac": min(1.0, st.sampler_idle_s / (wall * n)),
+            "async/trainer_idle_frac": min(1.0, st.trainer_idle_s / wall),
+            "async/rollouts_per_s": consumed / wall,
+            "async/sampler_version": float(getattr(self.run.sampler, "version", -1)),
+            "async/worker_restarts": float(st.worker_restarts),
+        }
+        if "kl_seq" in result.metrics:
+            out["gap/total"] = result.metrics["kl_seq"]
+            if st.floor_ema is not None:
+                out["gap/floor"] = st.floor_ema
+                out["gap/staleness"] = result.metrics["kl_seq"] - st.floor_ema
+        return out
+
+    def evaluate(self, label: str) -> dict[str, Any]:
+        return self.pool.evaluate(label)
+
+    def stop(self) -> None:
+        if not self._stopped:
+            self._stopped = True
+            self.pool.stop()
+
+    def failure(self) -> BaseException | None:
+        if self._failure is None and self.state.error is not None:
+            self._failure = self.state.failure()
+        return self._failure
+
+    def summary(self) -> dict[str, Any]:
+        st = self.state
+        wall = max(time.perf_counter() - st.started, 1e-9)
+        consumed = st.manager.consumed - st.start_consumed
+        return {"async": {
+            "pool": type(self.pool).__name__, "queue_rollouts": st.queue_rollouts,
+            "staleness_bound_steps": st.manager.staleness_bound_steps,
+            "rollouts_consumed": consumed, "wall_s": wall, "rollouts_per_s": consumed / wall,
+            "sampler_idle_frac": st.sampler_idle_s / (wall * st.num_samplers),
+            "trainer_idle_frac": st.trainer_idle_s / wall, "dropped_rollouts": st.manager.dropped,
+            "floor_kl_seq": st.floor_mean, "floor_probes": st.floor_samples,
+        }}
+
+
+def train_async(run: Run, *, acfg: AsyncLoopConfig | None = None, pool: str | None = None,
+                stop_after: int | None = None, pool_factory=None) -> dict[str, Any]:
+    """Run the async loop until `loop.steps` steps are done (or `stop_after` more steps). `pool`: a `POOLS`
+    name (default: "serial" with `async_loop.emulate`, else `async_loop.local_backend`), or a
+    `pool_factory(state)` (Ray). Evaluation and checkpoints follow the data clock exactly as in the sync loop.
+    Returns the summary."""
+    return run_loop(run, AsyncSource(run, acfg, pool=pool, pool_factory=pool_factory), stop_after=stop_after)
+
+
+def build_async_sampler(cfg, model, tokenizer):
+    """The configured sampler backend with its own copy of the weights (async loops must not share them)."""
+    return build_sampler(own_weights(cfg), model, tokenizer)
+
+
+def prepare_async_run(cfg, **kwargs) -> Run:
+    """`prepare_run` with a sampler that owns its weights."""
+    return prepare_run(cfg, build_sampler_fn=build_async_sampler, **kwargs)

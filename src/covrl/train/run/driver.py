@@ -1,0 +1,125 @@
+"""The one loop driver, for every mode: rollout source → Trainer.step → weights to the sampler → record →
+evaluation and checkpoints on the data clock → end of run.
+
+    while step < loop.steps:
+        batch = source.next_batch(version)        # sync: generate now; async: the queue (covrl.train.run.sources)
+        result = trainer.step(batch)              # one optimizer step (covrl.train.step.trainer)
+        source.publish(model) every sync_every    # the sampler's weights
+        run.log(record); eval / checkpoint when the data clock crosses their period
+
+Everything else lives elsewhere: `Run` (run folder, sinks, eval, checkpoints; covrl.train.run.folder), the sources
+(covrl.train.run.sources: `SyncSource`; covrl.train.asyncrl.source: the staleness-managed pools), `Trainer`."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from covrl.rollout.types import ScoredBatch
+from covrl.train.run.folder import Run
+from covrl.train.run.sources import RolloutSource, SourceBatch, build_sync_source, score_rollouts
+from covrl.train.step.results import StepResult
+from covrl.train.step.trainer import TrainingDivergedError
+
+__all__ = ["run_loop", "score_rollouts", "step_record", "train_sync"]
+
+
+def step_record(run: Run, batch: ScoredBatch, result: StepResult, *, step_s: float, sync_s: float) -> dict[str, Any]:
+    """The per-step line of metrics.jsonl: the trainer's metrics, the task's, timings and the data clock."""
+    trainer = run.trainer
+    generate_s = batch.timing.generate_s
+    tokens = float(batch.num_response_tokens)
+    record: dict[str, Any] = {"step": run.step, **result.metrics, **batch.task_metrics}
+    record.update({
+        "time/generate": generate_s, "time/score": batch.timing.score_s, "time/sync": sync_s, "time/step": step_s,
+        "tokens_per_s": tokens / max(step_s, 1e-9),
+        "generate_tokens_per_s": tokens / max(generate_s, 1e-9),
+        "epoch": run.stream.epoch, "policy_version": float(trainer.version),
+        "staleness": float(trainer.version - 1 - batch.policy_version.float().mean())
+        if result.metrics.get("skipped") == 0.0 else 0.0,
+    })
+    if run.cfg.sampler.compile:   # the torch.compile seconds inside time/generate (0 once its shapes are compiled)
+        record["time/sampler_compile_s"] = batch.timing.compile_s
+    return record
+
+
+def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) -> dict[str, Any]:
+    """Train until `loop.steps` steps are done (or `stop_after` more steps: an interruption point for tests),
+    with rollouts from `source`. Evaluates before (fresh runs) and after; checkpoints every
+    `checkpoint.every_rollouts` and at the end. Returns the summary."""
+    cfg, trainer = run.cfg, run.trainer
+    lcfg = cfg.loop
+    if run.step == 0 and not run.evals and cfg.eval.before:
+        source.evaluate("before")
+    done_now = 0
+    try:
+        source.start()
+        while run.step < lcfg.steps and (stop_after is None or done_now < stop_after):
+            t_step = time.perf_counter()
+            sb: SourceBatch = source.next_batch(trainer.version)
+            result = trainer.step(sb.batch)
+            source.step_done(result)
+            run.step += 1
+            done_now += 1
+            t0 = time.perf_counter()
+            if run.step % cfg.sampler.sync_every == 0 or run.step == lcfg.steps:
+                source.publish(run.model, trainer.version)
+            sync_s = time.perf_counter() - t0
+            record = step_record(run, sb.batch, result, step_s=time.perf_counter() - t_step, sync_s=sync_s)
+            record.update(sb.metrics)
+            record.update(source.step_metrics(result))
+            if result.skip_reason:
+                record["skip_reason"] = result.skip_reason
+                run.message(f"step {run.step}: skipped ({result.skip_reason})")
+            run.log(record)
+            every = cfg.eval.every_rollouts
+            if every and trainer.rollouts // every > run.last_eval_rollouts // every:
+                source.evaluate(f"rollouts-{trainer.rollouts}")
+            run.last_eval_rollouts = trainer.rollouts
+            run.maybe_checkpoint()
+    except TrainingDivergedError as err:
+        source.stop()
+        # the step that raised consumed its rollouts and was skipped like the ones before it: log it too
+        run.step += 1
+        run.log({"step": run.step, **err.metrics, "skip_reason": trainer.last_skip_reason})
+        run.status = "diverged"
+        run.message(f"training stopped: {err}")
+        run.finish()
+        raise
+    except KeyboardInterrupt:
+        source.stop()
+        run.status = "interrupted"
+        run.finish()
+        raise
+    except BaseException:
+        source.stop()
+        if source.failure() is not None:    # a dead background producer: record it in summary.json
+            _record_failure(run, source.failure())
+        raise
+    source.stop()
+    if (failure := source.failure()) is not None:
+        _record_failure(run, failure)
+        raise failure
+    if run.step >= lcfg.steps:
+        if cfg.eval.after:
+            source.evaluate("after")
+        run.status = "completed"
+    else:
+        run.status = "stopped"
+    if cfg.checkpoint.at_end and trainer.rollouts != run.last_ckpt_rollouts:
+        run.save_checkpoint()
+    summary = run.finish()
+    summary.update(source.summary())
+    return summary
+
+
+def _record_failure(run: Run, failure: BaseException) -> None:
+    run.status = "failed"
+    run.message(f"training stopped: {failure}")
+    run.finish()
+
+
+def train_sync(run: Run, *, stop_after: int | None = None) -> dict[str, Any]:
+    """The synchronous loop: generate with the run's sampler, then train on it (`run_loop` + `SyncSource`, or
+    `EpisodeSource` for a task with an environment, or `DynamicSamplingSource` with `loop.dynamic_sampling`)."""
+    return run_loop(run, build_sync_source(run), stop_after=stop_after)
