@@ -12,7 +12,7 @@ import json
 
 import torch
 
-from covrl.bench.models import DEFAULT_CACHE, load_model
+from covrl.bench.models import DEFAULT_CACHE, cached_model
 from covrl.bench.rollout_bench import compile_first_call
 from covrl.bench.settings import StepSettings, build_bench_task, default_task_overrides
 from covrl.rollout import SamplerConfig, build_sampler
@@ -26,7 +26,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model, tok = load_model("smollm2", args.cache_dir, "float32")
+    model, tok = cached_model("smollm2", args.cache_dir, "float32")
     model.eval()
     settings = StepSettings(model="smollm2", max_new_tokens=args.max_new_tokens,
                             task=default_task_overrides("smollm2"))

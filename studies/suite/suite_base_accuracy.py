@@ -16,7 +16,7 @@ from studies.suite.suite import task_config
 from studies.suite.suite_tasks import SUITE_TASKS
 
 from covrl.bench.clock import make_evaluator
-from covrl.bench.models import DEFAULT_CACHE, load_model
+from covrl.bench.models import DEFAULT_CACHE, cached_model
 from covrl.bench.settings import StepSettings
 from covrl.tasks import build_task
 
@@ -29,7 +29,7 @@ def main() -> None:
     parser.add_argument("--cache-dir", default=str(DEFAULT_CACHE))
     args = parser.parse_args()
     torch.set_num_threads(1)
-    model, tokenizer = load_model("smollm2", args.cache_dir)
+    model, tokenizer = cached_model("smollm2", args.cache_dir)
     settings = StepSettings(model="smollm2", max_new_tokens=args.max_new_tokens, eval_prompts=args.prompts)
     out = {}
     for name in args.tasks.split(","):

@@ -13,7 +13,7 @@ import torch
 trl = pytest.importorskip("trl")
 datasets = pytest.importorskip("datasets")
 
-from covrl.bench.models import load_model  # noqa: E402
+from covrl.bench.models import cached_model  # noqa: E402
 from covrl.bench.settings import StepSettings, build_bench_task, default_task_overrides  # noqa: E402
 from covrl.bench.trl_side import grpo_config  # noqa: E402
 from covrl.math import compute_advantages, policy_loss, token_logprobs  # noqa: E402
@@ -29,7 +29,7 @@ def loss_agreement(settings: StepSettings) -> dict[str, float]:
     Returns both losses, |difference|, the gradients' relative L2 difference and the advantages' max diff."""
     torch.set_num_threads(settings.threads)
     torch.manual_seed(settings.seed)
-    model, tokenizer = load_model(settings.model, settings.cache_dir, settings.dtype)
+    model, tokenizer = cached_model(settings.model, settings.cache_dir, settings.dtype)
     task, prompt_ids = build_bench_task(settings, tokenizer)
     texts = [tokenizer.decode(prompt_ids[i]) for i in range(settings.n_prompts)]
 

@@ -55,6 +55,7 @@ def test_before_after_writes_report(tmp_path, capsys):
 def test_run_folder_layout_and_bos_only_prompts(tmp_path):
     run = tmp_path / "run"
     (run / "checkpoints" / "initial").mkdir(parents=True)
+    (run / "config.yaml").write_text("{}\n")   # not read: the run saved its initial weights
     ckpt = run / "checkpoints" / "ckpt-000000016"
     ckpt.mkdir(parents=True)
     before, after = _save_pair(tmp_path, with_tokenizer=False)
@@ -73,4 +74,43 @@ def test_run_folder_layout_and_bos_only_prompts(tmp_path):
 def test_bad_arguments(tmp_path, capsys):
     assert main(["diagnose"]) == 2
     assert main(["diagnose", "--run", str(tmp_path)]) == 2
-    assert "initial" in capsys.readouterr().err
+    assert "no config.yaml" in capsys.readouterr().err
+
+
+def _tiny_run(tmp_path, name, **extra):
+    from covrl.train import load_config, train_from_config
+
+    overrides = [f"run.output_dir={tmp_path}", f"run.name={name}", "run.num_threads=1", "loop.steps=2",
+                 "eval.before=false", "eval.after=false", "logging.console=false", "logging.progress_bar=false",
+                 "logging.curves=false", "sft_warmup.steps=3", "checkpoint.at_end=true",
+                 *(f"{k}={v}" for k, v in extra.items())]
+    assert train_from_config(load_config("configs/tiny.yaml", overrides)) == 0
+    return tmp_path / name
+
+
+def test_a_run_without_saved_initial_weights_is_diagnosed_from_its_rebuilt_start(tmp_path, capsys):
+    """The main job saves no initial weights: diagnose rebuilds them from config.yaml (model, seed, threads,
+    warm-up) and uses them only when their fingerprint is the one the run recorded at its start."""
+    run = _tiny_run(tmp_path, "plain")
+    assert not (run / "checkpoints" / "initial").exists()
+    recorded = json.loads((run / "summary.json").read_text())["initial_weights"]
+    assert recorded["saved"] is False and len(recorded["fingerprint"]) == 32
+    assert main(["diagnose", "--run", str(run), "--no-fisher", "--k", "2"]) == 0
+    report = json.loads((run / "diagnose" / "diagnose.json").read_text())
+    assert report["before"] == "rebuilt from config.yaml" and report["summary"]["matrices"] > 0
+    # a start that does not rebuild to the same bits is refused, not diagnosed against the wrong weights
+    summary = json.loads((run / "summary.json").read_text())
+    summary["initial_weights"]["fingerprint"] = "0" * 32
+    (run / "summary.json").write_text(json.dumps(summary))
+    assert main(["diagnose", "--run", str(run), "--no-fisher"]) == 2
+    assert "run.save_initial=true" in capsys.readouterr().err
+
+
+def test_the_fingerprint_of_a_saved_start_is_the_saved_weights(tmp_path):
+    from covrl.models import load_pretrained
+    from covrl.train.run.checkpoint import weights_fingerprint
+
+    run = _tiny_run(tmp_path, "saved", **{"run.save_initial": "true"})
+    recorded = json.loads((run / "summary.json").read_text())["initial_weights"]
+    model, _ = load_pretrained(run / "checkpoints" / "initial" / "model")
+    assert recorded["saved"] is True and weights_fingerprint(model) == recorded["fingerprint"]

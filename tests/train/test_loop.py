@@ -139,6 +139,17 @@ def test_cli_train_reports_config_errors_with_field_and_line(tmp_path, capsys):
     assert "config file not found" in capsys.readouterr().err
 
 
+def test_cli_takes_overrides_and_flags_in_any_order(tmp_path, capsys):
+    """As users copy them into torchrun lines: an override after the flags, flags between overrides."""
+    cfg_file = tmp_path / "t.yaml"
+    cfg_file.write_text("model:\n  source: tiny\n")
+    assert covrl_main(["train", "--config", str(cfg_file), "--no-progress", "--name", "x", "optim.lrr=1"]) == 2
+    assert "optim.lrr" in capsys.readouterr().err   # the override reached the config, not argparse's error
+    assert covrl_main(["train", "loop.stepz=1", "--config", str(cfg_file), "optim.lrr=1", "--no-progress"]) == 2
+    err = capsys.readouterr().err
+    assert "loop.stepz" in err and "optim.lrr" in err
+
+
 def test_cli_train_then_eval(tmp_path, capsys):
     cfg_file = tmp_path / "t.yaml"
     from covrl.config import dump_config

@@ -8,6 +8,9 @@ import sys
 
 from covrl.bench import BENCHES
 
+# `covrl bench NAME ...`: the rest of the line is the benchmark's own options, parsed by its parser
+FORWARDS_ARGUMENTS = True
+
 
 def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("name", help="one of: " + ", ".join(BENCHES))

@@ -29,7 +29,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from covrl.bench.common import load1, source_state, write_bench
-from covrl.bench.models import DEFAULT_CACHE, load_model
+from covrl.bench.models import DEFAULT_CACHE, cached_model
 from covrl.bench.settings import StepSettings, bench_train_config, default_task_overrides
 from covrl.bench.step_bench import synthetic_batch
 from covrl.train import Channel, Trainer, free_port
@@ -92,7 +92,7 @@ def _setups(rank: int, world: int, opts: dict) -> dict:
     results: dict = {}
     modes = ["none"] if world == 1 else ["ddp", "ddp-no-sync", "fsdp2"]
     for mode in modes:
-        model, _ = load_model(opts["model"], cache)
+        model, _ = cached_model(opts["model"], cache)
         model.train()
         batch = synthetic_batch(model, model.config.vocab_size, opts["rows"], opts["prompt_length"],
                                 opts["response_length"], opts["group_size"])
@@ -149,7 +149,7 @@ def run(args: argparse.Namespace) -> int:
     opts = {k: getattr(args, k) for k in ("model", "rows", "group_size", "prompt_length", "response_length",
                                           "micro_batch", "steps", "warmup", "threads", "cache_dir")}
 
-    load_model(args.model, args.cache_dir or DEFAULT_CACHE)   # build the cached model folder once, here
+    cached_model(args.model, args.cache_dir or DEFAULT_CACHE)   # build the cached model folder once, here
     setups: dict = {}
     budgets = sorted({args.threads, args.threads * args.world}) if args.whole_budget and not args.quick \
         else [args.threads]

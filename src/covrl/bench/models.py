@@ -8,7 +8,7 @@ import os
 import shutil
 from pathlib import Path
 
-from covrl.models import char_tokenizer, load_smollm2, tiny_llama
+from covrl.models import char_tokenizer, load_pretrained, load_smollm2, tiny_llama
 
 MODEL_KINDS = ("tiny", "smollm2")
 DEFAULT_CACHE = Path(os.environ.get("COVRL_BENCH_CACHE", "runs/cache"))
@@ -43,19 +43,10 @@ def model_dir(kind: str, cache_dir: Path | str = DEFAULT_CACHE) -> Path:
     return target
 
 
-def load_model(kind: str, cache_dir: Path | str = DEFAULT_CACHE, dtype: str = "float32"):
-    """(model, tokenizer) from the cached folder in `dtype`; left padding, pad token set."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
+def cached_model(kind: str, cache_dir: Path | str = DEFAULT_CACHE, dtype: str = "float32"):
+    """(model, tokenizer) of `kind` from its cached folder (written on first use) in `dtype`."""
     quiet_transformers()
-    path = model_dir(kind, cache_dir)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    tokenizer.padding_side = "left"
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=getattr(torch, dtype))
-    return model, tokenizer
+    return load_pretrained(model_dir(kind, cache_dir), dtype)
 
 
 def quiet_transformers() -> None:

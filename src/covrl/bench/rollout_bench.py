@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 from covrl.bench.common import measure_bandwidth, measure_matmul_flops, source_state, write_bench
-from covrl.bench.models import DEFAULT_CACHE, load_model
+from covrl.bench.models import DEFAULT_CACHE, cached_model
 from covrl.bench.settings import StepSettings, build_bench_task, default_task_overrides
 from covrl.rollout import SamplerConfig, build_sampler
 
@@ -190,7 +190,7 @@ def run(args: argparse.Namespace) -> int:
     cache = args.cache_dir or DEFAULT_CACHE
     bandwidth = measure_bandwidth(64 if args.quick else 512)
     flops = measure_matmul_flops(256 if args.quick else 1024, dtype=args.dtype)
-    model, tokenizer = load_model(args.model, cache, args.dtype)
+    model, tokenizer = cached_model(args.model, cache, args.dtype)
     model.eval()
     costs = decode_costs(model)
     settings = StepSettings(model=args.model, max_new_tokens=args.max_new_tokens,

@@ -38,7 +38,7 @@ import statistics
 import time
 
 from covrl.bench.common import count_flops, measure_matmul_flops, source_state, write_bench
-from covrl.bench.models import DEFAULT_CACHE, load_model
+from covrl.bench.models import DEFAULT_CACHE, cached_model
 from covrl.bench.settings import StepSettings, bench_train_config, default_task_overrides
 from covrl.math import kl_estimate, rollout_correction, token_logprobs
 from covrl.models import frozen_copy
@@ -302,7 +302,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
         torch.set_num_threads(count[arm])
 
     use(arms[0])
-    model, tokenizer = load_model(args.model, args.cache_dir or DEFAULT_CACHE)
+    model, tokenizer = cached_model(args.model, args.cache_dir or DEFAULT_CACHE)
     model.train()
     vocab = model.config.vocab_size
     if args.compile == "only":

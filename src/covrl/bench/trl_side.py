@@ -14,7 +14,7 @@ import time
 from covrl._lazy import require
 from covrl.bench.clock import Clock, make_evaluator
 from covrl.bench.common import rss_peak_mb
-from covrl.bench.models import load_model
+from covrl.bench.models import cached_model
 from covrl.bench.settings import StepSettings, build_bench_task
 
 # TRL 1.16's colocate weight sync calls `model.load_weights` on vLLM's model directly. vLLM's CPU backend
@@ -60,7 +60,7 @@ def trl_worker(conn, settings: StepSettings) -> None:
     datasets = require("datasets", "bench")
     import transformers
 
-    model, tokenizer = load_model(settings.model, settings.cache_dir, settings.dtype)
+    model, tokenizer = cached_model(settings.model, settings.cache_dir, settings.dtype)
     task, prompt_ids = build_bench_task(settings, tokenizer)
     total = settings.warmup_steps + settings.steps
     order = [i % len(prompt_ids) for i in range(settings.n_prompts * total)]

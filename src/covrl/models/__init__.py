@@ -16,6 +16,7 @@ from covrl.models.loading import (
     TinyModelConfig,
     frozen_copy,
     load_model,
+    load_pretrained,
     lora_merge_plan,
     merge_lora_state_dict,
 )
@@ -24,5 +25,5 @@ from covrl.models.tiny import char_tokenizer, tiny_llama
 
 __all__ = ["MODEL_SOURCES", "LoraConfig", "ModelConfig", "ModelNotFoundError", "ResponseForward", "TinyModelConfig",
            "cache_argument", "char_tokenizer", "checkpointing", "decode_responses", "forward_response",
-           "frozen_copy", "load_model", "load_smollm2", "lora_merge_plan", "merge_lora_state_dict", "output_cache",
+           "frozen_copy", "load_model", "load_pretrained", "load_smollm2", "lora_merge_plan", "merge_lora_state_dict", "output_cache",
            "smollm2_gguf_path", "tiny_llama"]

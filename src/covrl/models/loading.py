@@ -73,22 +73,47 @@ def _load_tiny(cfg: ModelConfig, seed: int):
 
 
 def _load_hf(cfg: ModelConfig, seed: int):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
     if not cfg.path:
         raise ValueError("model.path is required when model.source='hf' (a local folder or a cached hub id)")
     local = Path(cfg.path).expanduser()
     # A local folder wins; otherwise only the local HF cache is consulted (local_files_only: no downloads).
     where = str(local) if local.exists() else cfg.path
     try:
-        tok = AutoTokenizer.from_pretrained(where, local_files_only=True)
-        model = AutoModelForCausalLM.from_pretrained(where, dtype=_torch_dtype(cfg.dtype), local_files_only=True)
+        model, tok = load_pretrained(where, cfg.dtype)
     except (OSError, ValueError) as err:
         raise ModelNotFoundError(
             f"model.path={cfg.path!r}: no transformers model found (looked for the folder {local.resolve()} and "
             f"for a hub id in the local cache; covrl never downloads). Cause: {err}") from err
-    if tok.pad_token_id is None:
-        tok.pad_token = tok.eos_token
+    if tok is None:
+        raise ModelNotFoundError(f"model.path={cfg.path!r}: the folder has no tokenizer")
+    return model, tok
+
+
+def load_pretrained(folder: str | Path, dtype: DTypeName | Literal["auto"] = "auto", *, tokenizer: bool = True):
+    """(model, tokenizer) of a transformers folder (or a hub id already in the local cache: covrl never
+    downloads), in `dtype` ("auto": as stored). A LoRA adapter folder (adapter_config.json) is merged into its
+    base. The tokenizer pads on the left with a pad token set; None when the folder has none (or not asked)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    where = str(folder)
+    torch_dtype = "auto" if dtype == "auto" else _torch_dtype(dtype)
+    if (Path(where) / "adapter_config.json").is_file():
+        from peft import AutoPeftModelForCausalLM
+
+        model = AutoPeftModelForCausalLM.from_pretrained(where, dtype=torch_dtype,
+                                                         local_files_only=True).merge_and_unload()
+    else:
+        model = AutoModelForCausalLM.from_pretrained(where, dtype=torch_dtype, local_files_only=True)
+    tok = None
+    if tokenizer:
+        try:
+            tok = AutoTokenizer.from_pretrained(where, local_files_only=True)
+        except (OSError, ValueError):
+            tok = None
+    if tok is not None:
+        if tok.pad_token_id is None:
+            tok.pad_token = tok.eos_token
+        tok.padding_side = "left"
     return model, tok
 
 

@@ -13,6 +13,7 @@ newest one that does (`newest_loadable`) and renamed `corrupt-ckpt-...` (`set_as
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -142,6 +143,17 @@ def load_model_weights(model, directory: Path) -> None:
 
 
 # --------------------------------------------------------------------------------------- checkpoints
+
+def weights_fingerprint(model) -> str:
+    """A digest of every tensor of the model's state (names, dtypes, shapes, bytes): equal digests mean
+    bit-identical weights. What `covrl diagnose` checks a rebuilt initial model against."""
+    digest = hashlib.blake2b(digest_size=16)
+    for name, tensor in sorted(model.state_dict().items()):
+        t = tensor.detach().cpu().contiguous()
+        digest.update(f"{name}|{t.dtype}|{tuple(t.shape)}|".encode())
+        digest.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return digest.hexdigest()
+
 
 def checkpoint_name(rollouts: int) -> str:
     return f"{PREFIX}{int(rollouts):09d}"

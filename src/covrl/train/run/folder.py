@@ -156,6 +156,8 @@ class Run:
     stateful: dict[str, Any] = field(default_factory=dict)
     pending_state: dict[str, Any] = field(default_factory=dict)   # resumed state no part has claimed yet
     resumed_sampler_version: int | None = None
+    # the weights RL started from: their fingerprint and whether checkpoints/initial/ holds them (covrl diagnose)
+    initial_weights: dict[str, Any] | None = None
 
     # ------------------------------------------------------------------------------- checkpointer
     def register(self, name: str, part: Any) -> None:
@@ -268,6 +270,7 @@ class Run:
             # the trainer ranks this run stepped on (trainer.parallel; torchrun's or Ray's group)
             "trainer": {"parallel": self.cfg.trainer.parallel,
                         "world_size": dist.get_world_size() if dist.is_initialized() else 1},
+            "initial_weights": self.initial_weights,
             "config": "config.yaml",
         }
 
@@ -408,6 +411,29 @@ def _find_resume_point(run_dir: Path, model, resume: bool) -> tuple[Path | None,
     return latest, state, weights, skipped
 
 
+def _recorded_initial_weights(run_dir: Path) -> dict[str, Any] | None:
+    """The initial-weights record of the attempt a resume continues (its summary.json), before it is rewritten."""
+    try:
+        return json.loads((run_dir / "summary.json").read_text()).get("initial_weights")
+    except (OSError, ValueError):
+        return None
+
+
+def rebuild_initial_model(cfg: TrainConfig):
+    """(model, tokenizer) with the weights a fresh run of `cfg` starts RL from, built as prepare_run builds them:
+    the run's threads and seed, the model of `model`, the supervised warm-up of `sft_warmup`. Deterministic at
+    a fixed thread count on one CPU model; compare `weights_fingerprint` with the run's record before trusting it."""
+    apply_num_threads(cfg)
+    seed_everything(cfg.run.seed)
+    device = resolve_device(cfg.run.device)
+    task = build_task(cfg.task)
+    model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)
+    model.to(device)
+    sft_warmup(model, tokenizer, task, cfg.sft_warmup, seed=cfg.run.seed,
+               micro_batch_size=cfg.optim.micro_batch_size * 4)
+    return model, tokenizer
+
+
 def _claim_run_folder(cfg: TrainConfig, run_dir: Path, latest: Path | None, resume: bool) -> None:
     """Write config.yaml and a "running" summary.json: from here on the folder is this attempt's (a setup that
     fails later gets a final status). A fresh start drops outputs of an earlier attempt in the same folder."""
@@ -477,15 +503,19 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     load_s = time.perf_counter() - t0
     generator = torch.Generator().manual_seed(cfg.run.seed)
     latest, state, weights, skipped = _find_resume_point(run_dir, model, resume)
+    initial = _recorded_initial_weights(run_dir) if latest is not None else None
     _claim_run_folder(cfg, run_dir, latest, resume)
     sft_metrics, ref_model = _starting_weights(cfg, run_dir, model, tokenizer, task, device, weights, console)
+    if weights is None:   # fresh: RL starts here
+        initial = {"fingerprint": ckpt.weights_fingerprint(model),
+                   "saved": (run_dir / "checkpoints" / "initial" / ckpt.MODEL_DIR).is_dir()}
     del weights
 
     trainer = Trainer(model, cfg, ref_model=ref_model)
     sampler = (build_sampler_fn or build_sampler)(cfg.sampler, model, tokenizer)
     run = Run(cfg=cfg, run_dir=run_dir, model=model, tokenizer=tokenizer, task=task, sampler=sampler,
               trainer=trainer, stream=stream, generator=generator, ref_model=ref_model, sft_metrics=sft_metrics,
-              threads=threads)
+              threads=threads, initial_weights=initial)
     run.started, run.started_cpu = t_setup, cpu_setup   # wall time counts model load and warm-up too
     run.add_time("model_load", load_s)
     run.resume_skipped = [{"checkpoint": str(p), "reason": why} for p, why in skipped]

@@ -1,18 +1,13 @@
-"""`covrl diagnose --run DIR` or `covrl diagnose --before DIR --after DIR`: the geometry of a training run's update.
-
-Writes `diagnose.json` and `diagnose.png` into `--out` (default: `<run>/diagnose/`, or `./diagnose/` with
---before/--after): the spectrum of every matrix's update (energy in the top k directions, numerical / stable /
-effective rank), update sparsity (the published bf16 |Δ| ≤ atol definition, the fp32 one, the absorbed share, a
-relative version) and how much of the update sits in high-Fisher coordinates, with the Fisher estimated from
-responses that the 'before' model samples itself.
+"""The geometry of an update between two models (what `covrl diagnose` reports): the spectrum of every matrix's
+update (energy in the top k directions, numerical / stable / effective rank), update sparsity (the published
+bf16 |Δ| ≤ atol definition, the fp32 one, the absorbed share, a relative version) and how much of the update sits
+in high-Fisher coordinates, with the Fisher estimated from responses that the 'before' model samples itself.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import sys
 from pathlib import Path
+from typing import Any
 
 DEFAULT_PROMPTS = [
     "What is 17 + 25?",
@@ -20,115 +15,6 @@ DEFAULT_PROMPTS = [
     "Write one sentence about the sea.",
     "Complete the sequence: 2, 4, 8,",
 ]
-
-
-def configure(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--run", type=Path, help="a covrl run folder: compares checkpoints/initial/model with the "
-                        "latest complete checkpoints/ckpt-*/model")
-    parser.add_argument("--before", type=Path, help="HF model folder before training (with --after)")
-    parser.add_argument("--after", type=Path, help="HF model folder after training (with --before)")
-    parser.add_argument("--out", type=Path, help="output folder (default: <run>/diagnose or ./diagnose)")
-    parser.add_argument("--k", type=int, default=8, help="top-k directions for the update energy (default 8)")
-    parser.add_argument("--atol", type=float, default=1e-5, help="sparsity threshold |Δ| ≤ atol (default 1e-5)")
-    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
-                        help="precision of the published sparsity measurement (default bfloat16)")
-    parser.add_argument("--rtol", type=float, default=1e-3, help="relative sparsity threshold (× max |Δ| per tensor)")
-    parser.add_argument("--no-fisher", action="store_true", help="skip the Fisher-vs-update concentration")
-    parser.add_argument("--tokenizer", type=Path, help="tokenizer folder (default: the model folders, then the run)")
-    parser.add_argument("--prompt", action="append", help="prompt for the Fisher samples (repeatable; default: 4 "
-                        "generic prompts; BOS only when no tokenizer is found)")
-    parser.add_argument("--samples", type=int, default=4, help="sampled responses per prompt (default 4)")
-    parser.add_argument("--max-new-tokens", type=int, default=24, help="length of each sampled response")
-    parser.add_argument("--temperature", type=float, default=1.0, help="sampling temperature for the Fisher batch")
-    parser.add_argument("--fisher-params", default=None, help="regular expression selecting parameters for the "
-                        "Fisher (default: every 2-D weight matrix)")
-    parser.add_argument("--top-frac", type=float, default=0.2, help="'high-Fisher' = this top fraction (default 0.2)")
-    parser.add_argument("--seed", type=int, default=0)
-
-
-def run(args: argparse.Namespace) -> int:
-    try:
-        before, after, out = _resolve(args)
-    except ValueError as err:
-        print(f"covrl diagnose: {err}", file=sys.stderr)
-        return 2
-    if args.k < 1 or args.samples < 1 or args.max_new_tokens < 1 or not (0 < args.top_frac <= 1):
-        print("covrl diagnose: --k, --samples and --max-new-tokens must be >= 1 and --top-frac in (0, 1]",
-              file=sys.stderr)
-        return 2
-    report = diagnose(before, after, args)
-    out.mkdir(parents=True, exist_ok=True)
-    (out / "diagnose.json").write_text(json.dumps(report, indent=2))
-    _figure(report, out / "diagnose.png")
-    s = report["summary"]
-    print(f"before: {before}\nafter:  {after}")
-    print(f"matrices: {s['matrices']}, mean energy in top {args.k}: {s['energy_top_k_mean']:.3f}, "
-          f"mean rank ratio: {s['rank_ratio_mean']:.3f}")
-    print(f"sparsity ({args.dtype}, |Δ| ≤ {args.atol:g}): {s['sparsity']:.3f}; full precision: "
-          f"{s['sparsity_full']:.3f}; absorbed share: {s['absorbed_share']:.3f}")
-    if "update_top_fisher_share" in s:
-        print(f"share of ‖Δ‖² in the top {args.top_frac:.0%} Fisher coordinates: {s['update_top_fisher_share']:.3f} "
-              f"(uniform would be {args.top_frac:.2f}; Fisher's own top share {s['fisher_top_share']:.3f})")
-    print(f"wrote {out / 'diagnose.json'} and {out / 'diagnose.png'}")
-    return 0
-
-
-def _resolve(args) -> tuple[Path, Path, Path]:
-    if args.run is not None:
-        if args.before is not None or args.after is not None:
-            raise ValueError("use either --run or --before/--after, not both")
-        root = args.run
-        before = root / "checkpoints" / "initial" / "model"
-        if not before.is_dir():
-            raise ValueError(f"{before} not found: the run did not save its initial weights (run.save_initial=true)")
-        ckpts = sorted((p for p in (root / "checkpoints").glob("ckpt-*") if (p / "COMPLETE").is_file()),
-                       key=lambda p: p.name)
-        if not ckpts:
-            raise ValueError(f"no complete checkpoint (checkpoints/ckpt-*/COMPLETE) in {root}")
-        after = ckpts[-1] / "model"
-        out = args.out or root / "diagnose"
-    else:
-        if args.before is None or args.after is None:
-            raise ValueError("give --run DIR, or both --before DIR and --after DIR")
-        before, after = args.before, args.after
-        out = args.out or Path("diagnose")
-    for p in (before, after):
-        if not p.is_dir():
-            raise ValueError(f"model folder {p} does not exist")
-    return before, after, out
-
-
-def load_model(folder: Path):
-    """AutoModelForCausalLM from an HF folder in its stored dtype; a LoRA adapter folder is merged into its base."""
-    import torch
-
-    folder = Path(folder)
-    if (folder / "adapter_config.json").is_file():
-        from peft import AutoPeftModelForCausalLM
-
-        model = AutoPeftModelForCausalLM.from_pretrained(str(folder)).merge_and_unload()
-    else:
-        from transformers import AutoModelForCausalLM
-
-        model = AutoModelForCausalLM.from_pretrained(str(folder), dtype="auto")
-    model.eval()
-    torch.set_grad_enabled(True)
-    return model
-
-
-def _tokenizer(args, before: Path, after: Path):
-    from transformers import AutoTokenizer
-
-    candidates = [args.tokenizer] if args.tokenizer else [after, before]
-    if args.run is not None and not args.tokenizer:
-        candidates.append(args.run)
-    for c in candidates:
-        if c is not None and ((Path(c) / "tokenizer.json").is_file() or (Path(c) / "tokenizer_config.json").is_file()):
-            try:
-                return AutoTokenizer.from_pretrained(str(c)), str(c)
-            except Exception:  # noqa: BLE001 - try the next folder
-                continue
-    return None, None
 
 
 def fisher_batch(model, tokenizer, prompts: list[str] | None, samples: int, max_new_tokens: int, temperature: float,
@@ -197,8 +83,12 @@ def fisher_batch(model, tokenizer, prompts: list[str] | None, samples: int, max_
     return {"input_ids": input_ids, "attention_mask": attention, "score_mask": score_mask}
 
 
-def diagnose(before: Path, after: Path, args) -> dict:
-    """Compute the report (a JSON-ready dict) comparing two model folders; see the module docstring."""
+def update_report(m0, m1, tokenizer, args, *, before: str, after: str, tokenizer_from: str | None = None
+                  ) -> dict[str, Any]:
+    """The report (a JSON-ready dict) on the update from model `m0` to model `m1` (same architecture); `args`
+    holds the settings (k, atol, dtype, rtol, no_fisher, prompt, samples, max_new_tokens, temperature,
+    fisher_params, top_frac, seed); `before` / `after` name the two models in the report. `tokenizer` (or None:
+    BOS-only prompts) encodes the Fisher batch's prompts."""
     import torch
 
     from covrl.diagnostics.fisher import concentration, fisher_diagonal
@@ -206,13 +96,12 @@ def diagnose(before: Path, after: Path, args) -> dict:
     from covrl.diagnostics.spectrum import update_spectrum
 
     torch.manual_seed(args.seed)
-    m0, m1 = load_model(before), load_model(after)
     s0 = dict(m0.named_parameters())
     s1 = dict(m1.named_parameters())
     names = [n for n, p in s0.items() if p.is_floating_point()]
     missing = [n for n in names if n not in s1 or s1[n].shape != s0[n].shape]
     if missing:
-        raise SystemExit(f"covrl diagnose: the two models differ in {missing[:3]} (not the same architecture)")
+        raise ValueError(f"the two models differ in {missing[:3]} (not the same architecture)")
     dtype = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[args.dtype]
     sparsity = update_sparsity({n: s0[n].detach() for n in names}, {n: s1[n].detach() for n in names},
                                atol=args.atol, dtype=dtype, rtol=args.rtol, compute_rank=False)
@@ -226,8 +115,8 @@ def diagnose(before: Path, after: Path, args) -> dict:
                                           ("sparsity", "sparsity_full", "absorbed", "absorbed_share",
                                            "sparsity_relative", "max_abs_update")}}
     report = {
-        "before": str(before),
-        "after": str(after),
+        "before": before,
+        "after": after,
         "settings": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()
                      if not k.startswith("_") and k != "command"},
         "sparsity": sparsity.metrics,
@@ -244,8 +133,7 @@ def diagnose(before: Path, after: Path, args) -> dict:
         "sparsity_relative": sparsity.metrics["sparsity_relative"],
     }
     if not args.no_fisher:
-        tok, tok_from = _tokenizer(args, before, after)
-        batch = fisher_batch(m0, tok, args.prompt, args.samples, args.max_new_tokens, args.temperature, args.seed)
+        batch = fisher_batch(m0, tokenizer, args.prompt, args.samples, args.max_new_tokens, args.temperature, args.seed)
         selection = args.fisher_params or "^(" + "|".join(_escape(n) for n in matrices) + ")$"
         m0.float()
         fisher = fisher_diagonal(m0, batch, params=selection, temperature=args.temperature)
@@ -258,7 +146,7 @@ def diagnose(before: Path, after: Path, args) -> dict:
         summary["fisher_top_share"] = concentration(fisher, fisher, args.top_frac)
         report["fisher"] = {"sequences": int(batch["input_ids"].shape[0]),
                             "response_tokens": int(batch["score_mask"].sum()),
-                            "tokenizer": tok_from or "none (BOS-only prompts)",
+                            "tokenizer": tokenizer_from or "none (BOS-only prompts)",
                             "parameters": int(sum(f.numel() for f in fisher.values()))}
     report["summary"] = summary
     return report
@@ -275,7 +163,8 @@ def _mean(xs: list[float]) -> float:
     return sum(xs) / len(xs) if xs else float("nan")
 
 
-def _figure(report: dict, path: Path) -> None:
+def write_figure(report: dict, path: Path) -> None:
+    """diagnose.png: spectrum, sparsity and (when measured) Fisher concentration per matrix."""
     import matplotlib
 
     matplotlib.use("Agg")
