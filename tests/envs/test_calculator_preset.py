@@ -41,14 +41,14 @@ def test_calculator_preset_one_step_on_smollm2(tmp_path):
     # about a minute on one core: SmolLM2 loads, one step of 2 prompts x 2 episodes, evaluations on 2 prompts
     from covrl.train.run.driver import run_loop
     from covrl.train.run.folder import prepare_run
-    from covrl.train.run.sources import EpisodeSource, build_sync_source
+    from covrl.train.run.sources import SyncSource, build_sync_source
 
     cfg = load_preset("calculator", {"run.output_dir": str(tmp_path), "loop.steps": 1, "loop.prompts_per_step": 2,
                                      "loop.group_size": 2, "eval.max_prompts": 2, "eval.sampled": False,
                                      "logging.console": False, "logging.curves": False})
     run = prepare_run(cfg, console=False)
     source = build_sync_source(run)
-    assert isinstance(source, EpisodeSource)
+    assert type(source) is SyncSource   # episodes: generate_batch dispatches on the environment
     summary = run_loop(run, source)
     run.close()
     assert summary["status"] == "completed"

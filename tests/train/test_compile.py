@@ -61,7 +61,7 @@ def test_compiled_step_matches_eager_and_one_graph_serves_a_new_shape():
     trainer.optimizer.step = step
     again = trainer.step(synthetic_batch(model, groups=2, group_size=4, prompt_len=7, max_len=9, seed=1))
     assert again["time/compile_s"] == 0.0, "dynamic shapes: rows x length changed without a re-compile"
-    assert again["skipped"] == 0.0 and again["optimizer_steps"] == 2.0
+    assert again["skipped"] == 0.0 and again["policy_version"] == 2.0
 
 
 @pytest.mark.slow

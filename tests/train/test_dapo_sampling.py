@@ -11,6 +11,7 @@ import pytest
 import torch
 from train_helpers import comparable, tiny_cfg
 
+from covrl.math import constant_groups
 from covrl.rollout.types import RolloutBatch
 from covrl.tasks import Example, TaskConfig, build_task
 from covrl.tasks.rewards import overlong_penalty
@@ -18,7 +19,7 @@ from covrl.train.run.driver import train_sync
 from covrl.train.run.evaluate import pass_at_k
 from covrl.train.run.folder import prepare_run
 from covrl.train.run.sinks import read_jsonl
-from covrl.train.run.sources import DynamicSamplingError, constant_groups
+from covrl.train.run.sources import DynamicSamplingError
 
 torch.set_num_threads(1)
 DYN = {"loop.dynamic_sampling": True, "sampler.temperature": 1.0, "eval.sampled": False}
@@ -30,10 +31,13 @@ def test_constant_groups():
                          response_ids=torch.zeros(rows, 2, dtype=torch.long), response_mask=torch.ones(rows, 2),
                          sampler_logprobs=torch.zeros(rows, 2), group_ids=torch.arange(3).repeat_interleave(2),
                          policy_version=torch.zeros(rows, dtype=torch.long))
-    out = constant_groups(batch.scored(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])))
-    assert out.tolist() == [True, False, True]
+    def same(rewards):   # what dynamic sampling drops: groups whose sequence rewards are all equal
+        scored = batch.scored(rewards)
+        return constant_groups(scored.sequence_rewards, scored.group_ids, 3).tolist()
+
+    assert same(torch.tensor([1.0, 1.0, 0.0, 1.0, 0.0, 0.0])) == [True, False, True]
     per_token = torch.tensor([[1.0, 0.0], [0.0, 1.0], [0.0, 0.0], [0.0, 1.0], [0.5, 0.5], [0.0, 0.0]])
-    assert constant_groups(batch.scored(per_token)).tolist() == [True, False, False]   # sequence sums
+    assert same(per_token) == [True, False, False]   # sequence sums
 
 
 def test_dynamic_sampling_keeps_only_varied_groups_and_counts_both_clocks(tmp_path):

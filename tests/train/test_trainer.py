@@ -37,7 +37,7 @@ def grads_of_step(cfg, batch, model=None, ref=None):
     captured = []
     trainer.optimizer.step = lambda *a, **k: captured.append([p.grad.detach().clone() for p in trainer.params])
     metrics = trainer.step(batch)
-    assert captured, f"optimizer step not reached: {trainer.last_skip_reason}"
+    assert captured, f"optimizer step not reached: {metrics.skip_reason}"
     return captured[0], metrics
 
 
@@ -178,7 +178,7 @@ def test_non_finite_loss_skips_the_step_and_stops_after_max_bad_steps():
     bad = synthetic_batch(model)
     bad.rewards[0] = float("nan")
     m = trainer.step(bad)
-    assert m["skipped"] == 1.0 and "non-finite" in trainer.last_skip_reason
+    assert m["skipped"] == 1.0 and "non-finite" in m.skip_reason
     assert all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert trainer.version == 0 and trainer.rollouts == len(bad)
     good = trainer.step(synthetic_batch(model))        # a good step resets the counter
@@ -194,7 +194,7 @@ def test_empty_generations_are_skipped_with_a_reason():
     batch = synthetic_batch(model)
     batch = replace(batch, response_mask=torch.zeros_like(batch.response_mask))
     m = trainer.step(batch)
-    assert m["skipped"] == 1.0 and "empty" in trainer.last_skip_reason
+    assert m["skipped"] == 1.0 and "empty" in m.skip_reason
 
 
 def test_unscored_batch_is_rejected():
@@ -252,7 +252,7 @@ def test_a_zero_gradient_step_moves_the_weights_only_without_skip_zero_gradient(
     unchanged = all(torch.equal(a, b) for a, b in zip(before, model.parameters()))
     assert unchanged is skip
     assert m["no_signal_step"] == float(skip) and m["no_signal_steps"] == float(skip)
-    assert trainer.version == (1 if skip else 2) and trainer.optimizer_steps == trainer.version
+    assert trainer.version == (1 if skip else 2) and m["policy_version"] == trainer.version
     assert trainer.rollouts == 2 * len(synthetic_batch(model))   # the data clock counts the batch either way
     if skip:   # the optimizer's state is untouched too: the next informative step is as if the batch never came
         state_after = trainer.optimizer.state[trainer.params[0]]

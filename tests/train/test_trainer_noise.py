@@ -11,7 +11,8 @@ from test_trainer import assert_grads_close, grads_of_step, make_model
 from train_helpers import synthetic_batch, tiny_cfg
 
 from covrl.diagnostics.noise import micro_batch_noise_scale
-from covrl.train.step.trainer import Trainer, _halves
+from covrl.train.step.micro import halves as split_in_halves
+from covrl.train.step.trainer import Trainer
 
 torch.set_num_threads(1)
 
@@ -54,7 +55,7 @@ def test_one_micro_batch_is_split_into_halves_without_changing_the_gradient():
     batch = synthetic_batch(model, groups=3, group_size=4, seed=5)
     base = {"optim.max_grad_norm": None, "optim.micro_batch_size": 32}
     cfg = tiny_cfg(**base)
-    halves = _halves([list(range(4 * g, 4 * g + 4)) for g in range(3)])
+    halves = split_in_halves([list(range(4 * g, 4 * g + 4)) for g in range(3)])
     assert sorted(len(h) for h in halves) == [4, 8]
     expected, metrics = brute_force(cfg, batch, halves, cfg.algorithm.agg_mode)
     assert metrics["noise/trace_sigma"] == pytest.approx(expected.trace_sigma, rel=1e-3)

@@ -50,8 +50,13 @@ from covrl.train import (
     Run,
     StepResult,
     TrainConfig,
+    Trainer,
     apply_model_weights,
     apply_num_threads,
+    fold_micro_metrics,
+    mean_over,
+    micro_batch_share,
+    pad_cols,
     read_model_weights,
     resolve_device,
     save_checkpoint,
@@ -59,21 +64,9 @@ from covrl.train import (
     sft_warmup,
 )
 from covrl.train import load_state as load_checkpoint_state
-from covrl.train.step.trainer import Trainer, fold_micro_metrics
 
 STATE_KEY = "api"
 SNAPSHOT_DIR = "sampler"   # <state_dir>/sampler/checkpoints/<name>/: weights saved for sampling later
-
-
-def _masked_mean(x: torch.Tensor, mask: torch.Tensor) -> float:
-    den = float(mask.sum())
-    return float((x * mask).sum()) / den if den > 0 else 0.0
-
-
-def _pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
-    if x.shape[1] == width:
-        return x
-    return torch.cat([x, x.new_zeros((x.shape[0], width - x.shape[1], *x.shape[2:]))], dim=1)
 
 
 def resolve_config(config: TrainConfig | str | Path, overrides: Mapping[str, Any] | list[str] | None = None
@@ -225,9 +218,9 @@ class TrainingClient:
         out = ForwardResult(*(torch.zeros((rows, width), device=self.device) for _ in range(3)))
         for idx in self._plan(rows):
             fwd = self._forward(batch.select(idx))
-            out.logprobs[idx] = _pad_cols(fwd.logprobs.float(), width)
-            out.entropy[idx] = _pad_cols(fwd.entropy, width)
-            out.sum_pi_sq[idx] = _pad_cols(fwd.sum_pi_sq, width)
+            out.logprobs[idx] = pad_cols(fwd.logprobs.float(), width)
+            out.entropy[idx] = pad_cols(fwd.entropy, width)
+            out.sum_pi_sq[idx] = pad_cols(fwd.sum_pi_sq, width)
         return out
 
     def forward_backward(self, batch: TrainBatch, loss_fn: str = "covariance", *,
@@ -262,9 +255,9 @@ class TrainingClient:
             mb = batch.select(idx)
             t = mb.response_ids.shape[1]
             fwd = self._forward(mb)
-            full.logprobs[idx] = _pad_cols(fwd.logprobs.detach().float(), width)
-            full.entropy[idx] = _pad_cols(fwd.entropy, width)
-            full.sum_pi_sq[idx] = _pad_cols(fwd.sum_pi_sq, width)
+            full.logprobs[idx] = pad_cols(fwd.logprobs.detach().float(), width)
+            full.entropy[idx] = pad_cols(fwd.entropy, width)
+            full.sum_pi_sq[idx] = pad_cols(fwd.sum_pi_sq, width)
             sampled = mb.sampled_mask
             keep, is_weights = sampled, None
             if has_q and spec.family == "covrl.math":
@@ -285,7 +278,7 @@ class TrainingClient:
                                          f"loss_fn {loss_fn!r}; the gradient of this call was not added")
             loss.backward()
             loss_total += float(loss.detach())
-            token_loss_full[idx] = _pad_cols(out.token_loss.detach().float(), width)
+            token_loss_full[idx] = pad_cols(out.token_loss.detach().float(), width)
             share = float(mb.sampled_mask.sum()) / total_tokens if total_tokens > 0 else 0.0
             chunk = dict(out.metrics)
             if spec.family == "covrl.math":
@@ -294,7 +287,7 @@ class TrainingClient:
         metrics["loss"] = loss_total
         if spec.family == "tinker":
             metrics["loss:sum"] = loss_total
-        metrics["entropy"] = _masked_mean(full.entropy, sampled_full)
+        metrics["entropy"] = mean_over(full.entropy, sampled_full)
         if has_q:
             metrics.update(rollout_correction(full.logprobs, batch.sampler_logprobs, sampled_full, corr_cfg).metrics)
         return ForwardBackwardResult(full.logprobs, full.entropy, full.sum_pi_sq, loss=loss_total,
@@ -304,10 +297,9 @@ class TrainingClient:
                 agg_mode: str, options: Mapping[str, Any]) -> torch.Tensor:
         if spec.family == "tinker":
             return token_loss.sum()
-        # this micro-batch's share of the full-call aggregate (covrl.train.step.trainer's normaliser)
-        padded = _pad_cols(token_loss.float(), sampled_full.shape[1])
-        placed = torch.zeros(sampled_full.shape, dtype=torch.float32, device=padded.device).index_copy(0, idx, padded)
-        return aggregate(placed, sampled_full, agg_mode, norm_constant=options.get("norm_constant"))
+        # this micro-batch's share of the full-call aggregate, with the Trainer's normaliser
+        return micro_batch_share(token_loss, idx, sampled_full, lambda full, mask: aggregate(
+            full, mask, agg_mode, norm_constant=options.get("norm_constant")))
 
     def forward_backward_custom(self, batch: TrainBatch,
                                 fn: Callable[[TrainBatch, torch.Tensor], tuple[torch.Tensor, dict[str, float]]]
@@ -318,7 +310,7 @@ class TrainingClient:
         batch = _check_batch(batch, self.device)
         self.model.train()
         fwd = self._forward(batch)
-        lp = _pad_cols(fwd.logprobs, batch.response_ids.shape[1])
+        lp = pad_cols(fwd.logprobs, batch.response_ids.shape[1])
         result = fn(batch, lp)
         if not (isinstance(result, tuple) and len(result) == 2):
             raise TypeError("forward_backward_custom: fn must return (loss, metrics)")
@@ -328,7 +320,7 @@ class TrainingClient:
         loss.backward()
         metrics = {**{k: float(v) for k, v in dict(user_metrics or {}).items()}, "loss": float(loss.detach())}
         sampled = batch.sampled_mask
-        metrics["entropy"] = _masked_mean(fwd.entropy, sampled)
+        metrics["entropy"] = mean_over(fwd.entropy, sampled)
         if batch.sampler_logprobs is not None:
             metrics.update(rollout_correction(lp.detach(), batch.sampler_logprobs, sampled, self.correction).metrics)
         return ForwardBackwardResult(lp.detach(), fwd.entropy, fwd.sum_pi_sq, loss=float(loss.detach()),

@@ -405,18 +405,18 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
             sections["trainer"] = {"autocast": mode}
             cfgs[name if mode == modes[0] else f"{name} [{mode}]"] = bench_train_config(settings, **sections)
     names = list(cfgs)
-    trainer = Trainer(model, cfgs[names[0]])
     ref = frozen_copy(model) if any(c.kl.coef > 0 for c in cfgs.values()) else None
+    # one Trainer per variant over the same model (lr 1e-9: the weights barely move between variants)
+    trainers = {name: Trainer(model, cfgs[name], ref_model=ref if cfgs[name].kl.coef > 0 else None)
+                for name in names}
     batch = synthetic_batch(model, vocab, args.rows, args.prompt_length, args.response_length, args.group_size)
     runs = {(arm, name): [] for arm in arms for name in names}
     for rep in range(args.repeats + 1):  # first round = warm-up
         for arm in order(rep):
             use(arm)
             for name in (names if rep % 2 == 0 else list(reversed(names))):
-                trainer.cfg = cfgs[name]
-                trainer.ref_model = ref if cfgs[name].kl.coef > 0 else None
                 t0 = time.perf_counter()
-                m = trainer.step(batch)
+                m = trainers[name].step(batch)
                 dt = time.perf_counter() - t0
                 if rep:
                     runs[arm, name].append({"step_s": dt, "forward_backward_s": m.get("time/forward_backward", 0.0),

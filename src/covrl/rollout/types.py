@@ -129,6 +129,12 @@ class ScoredBatch(RolloutBatch):
         if self.rewards.shape[0] != n:
             raise ValueError(f"ScoredBatch.rewards has {self.rewards.shape[0]} rows for {n} rows")
 
+    @property
+    def sequence_rewards(self) -> torch.Tensor:
+        """[B] float32: the outcome rewards, or per-token rewards summed over the model's tokens."""
+        rewards = self.rewards.float()
+        return rewards if rewards.dim() == 1 else (rewards * self.train_mask.float()).sum(1)
+
 
 # ------------------------------------------------------------------------------------------ concatenation
 

@@ -167,7 +167,7 @@ class DispatchPool:
 
     def load_state_dict(self, saved: dict[str, Any] | None) -> None:
         if saved:
-            rngs = saved.get("worker_rng", saved.get("actor_rng", []))
+            rngs = saved.get("worker_rng", [])
             for r, s in enumerate(rngs[: len(self.worker_rng)]):
                 self.worker_rng[r] = s
             for r, e in enumerate(saved.get("rng_epoch", [])[: len(self.rng_epoch)]):

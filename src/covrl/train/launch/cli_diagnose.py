@@ -125,7 +125,7 @@ def _before_model(args, before: Path | str):
 
 def _rebuilt_initial(run_dir: Path):
     """The run's initial weights rebuilt from its config, checked against the fingerprint it recorded."""
-    from covrl.config import ConfigError, load_config
+    from covrl.train.config import ConfigError, load_config
     from covrl.train.run.checkpoint import weights_fingerprint
     from covrl.train.run.folder import rebuild_initial_model
 

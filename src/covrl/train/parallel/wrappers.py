@@ -20,6 +20,7 @@ from typing import Any, Literal
 import torch
 import torch.distributed as dist
 from pydantic import Field, field_validator, model_validator
+from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
 
 from covrl.models.compiled import CompileBackend
 from covrl.models.precision import AUTOCAST_MODES
@@ -180,6 +181,47 @@ class Parallel:
 
     def max_count(self, n: int) -> int:
         return int(self.all_reduce(torch.tensor([n], dtype=torch.long), dist.ReduceOp.MAX)[0])
+
+    def pad_plan(self, plan: list) -> list:
+        """Every rank runs as many micro-batches (DDP / FSDP2 need the same sequence of synced backward passes):
+        a rank with fewer gets idle ones (None) at the end."""
+        return plan + [None] * (self.max_count(len(plan)) - len(plan))
+
+    def gather_objects(self, obj: Any) -> list[Any]:
+        """`obj` of every rank, in rank order (a collective)."""
+        parts: list[Any] = [None] * self.world
+        dist.all_gather_object(parts, obj)
+        return parts
+
+    def watch_local_gradients(self, read) -> None:
+        """DDP: call `read(bucket)` with each bucket's local (not yet averaged) gradients, then DDP's own
+        averaging all-reduce: what a rank contributed, without an extra backward."""
+        def hook(_state, bucket):
+            read(bucket)
+            return allreduce_hook(None, bucket)
+
+        self.module.register_comm_hook(None, hook)
+
+    def reduce_step_pieces(self, tensors: list[torch.Tensor], loss_total: float, bad: str | None,
+                           loss_metrics: dict[str, float]) -> tuple[float, str | None, dict[str, float]]:
+        """Sum over ranks (in place) the per-row tensors that each rank filled for its rows only (zeros
+        elsewhere, so the sum is exact), the loss and its share-weighted metrics (extremes: max / min), and
+        whether any rank met a non-finite loss."""
+        stacked = self.all_reduce(torch.stack(tensors))
+        for t, total in zip(tensors, stacked):
+            t.copy_(total)
+        keys = sorted(k for k in loss_metrics if not k.endswith(("_max", "_min")))   # the same on every rank:
+        extreme = sorted(k for k in loss_metrics if k.endswith(("_max", "_min")))   # idle ranks compute them too
+        sums = self.all_reduce(torch.tensor([loss_total, float(bad is not None)] + [loss_metrics[k] for k in keys],
+                                            dtype=torch.float64))
+        sign = [1.0 if k.endswith("_max") else -1.0 for k in extreme]   # a min is minus the max of minus
+        maxes = self.all_reduce(torch.tensor([s * loss_metrics[k] for s, k in zip(sign, extreme)] or [0.0],
+                                             dtype=torch.float64), dist.ReduceOp.MAX)
+        if sums[1] > 0 and bad is None:
+            bad = "non-finite loss in a micro-batch of another rank"
+        out = dict(zip(keys, sums[2:].tolist()))
+        out.update({k: s * float(v) for s, k, v in zip(sign, extreme, maxes)})
+        return float(sums[0]), bad, out
 
 
 def full_model_state(model) -> dict[str, torch.Tensor]:

@@ -81,7 +81,7 @@ def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) 
         source.stop()
         # the step that raised consumed its rollouts and was skipped like the ones before it: log it too
         run.step += 1
-        run.log({"step": run.step, **err.metrics, "skip_reason": trainer.last_skip_reason})
+        run.log({"step": run.step, **err.metrics, "skip_reason": err.skip_reason})
         run.status = "diverged"
         run.message(f"training stopped: {err}")
         run.finish()
@@ -121,5 +121,5 @@ def _record_failure(run: Run, failure: BaseException) -> None:
 
 def train_sync(run: Run, *, stop_after: int | None = None) -> dict[str, Any]:
     """The synchronous loop: generate with the run's sampler, then train on it (`run_loop` + `SyncSource`, or
-    `EpisodeSource` for a task with an environment, or `DynamicSamplingSource` with `loop.dynamic_sampling`)."""
+    `DynamicSamplingSource` with `loop.dynamic_sampling`; episodes for a task with an environment)."""
     return run_loop(run, build_sync_source(run), stop_after=stop_after)

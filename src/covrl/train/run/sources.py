@@ -17,13 +17,14 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from covrl.math import constant_groups
 from covrl.rollout.episodes import EpisodeBatch, generate_episodes, score_episodes
 from covrl.rollout.text import decode_responses
 from covrl.rollout.types import RolloutBatch, ScoredBatch, concat_batches
 from covrl.train.faults import fault_point
 from covrl.train.step.results import StepResult
 
-__all__ = ["DynamicSamplingError", "DynamicSamplingSource", "EpisodeSource", "RolloutSource", "SourceBatch",
+__all__ = ["DynamicSamplingError", "DynamicSamplingSource", "RolloutSource", "SourceBatch",
            "SyncSource", "build_sync_source", "generate_batch", "score_batch", "score_rollouts"]
 
 
@@ -112,7 +113,8 @@ def score_batch(task, tokenizer, generated: RolloutBatch | EpisodeBatch, example
 
 class SyncSource:
     """The run's own sampler, between steps: take the next prompts of the stream, generate `loop.group_size`
-    completions each with the run's generator, score them. Weights reach the sampler right after the step."""
+    completions each (multi-turn episodes for a task with an environment, `task.env.name`) with the run's
+    generator, score them. Weights reach the sampler right after the step."""
 
     def __init__(self, run):
         self.run = run
@@ -152,24 +154,8 @@ class SyncSource:
         return {}
 
 
-class EpisodeSource(SyncSource):
-    """SyncSource for a task with an environment (`task.env.name`): `loop.group_size` multi-turn episodes per
-    prompt through the run's sampler (covrl.rollout.episodes), scored by the environment or the task. The
-    dispatch on the environment is `generate_batch` / `score_batch`, which the async pools share."""
-
-
 class DynamicSamplingError(RuntimeError):
     """Dynamic sampling kept no group in `loop.dynamic_sampling_max_rounds` rounds (every reward constant)."""
-
-
-def constant_groups(batch: ScoredBatch) -> torch.Tensor:
-    """[G] bool, per group id 0..G-1 present in the batch: every row of the group has the same (sequence) reward."""
-    rewards = batch.rewards.sum(-1) if batch.rewards.dim() == 2 else batch.rewards
-    gids = batch.group_ids
-    num = int(gids.max()) + 1 if len(batch) else 0
-    hi = torch.full((num,), -torch.inf).scatter_reduce(0, gids, rewards.float(), "amax")
-    lo = torch.full((num,), torch.inf).scatter_reduce(0, gids, rewards.float(), "amin")
-    return hi == lo
 
 
 class DynamicSamplingSource(SyncSource):
@@ -220,7 +206,9 @@ class DynamicSamplingSource(SyncSource):
             scored = score_rollouts(run.task, run.tokenizer, batch, examples, n, positions)
             rounds += 1
             generated += len(scored)
-            keep = (~constant_groups(scored)).nonzero().flatten().tolist()   # group g = rows g*n .. g*n+n-1
+            # group g: rows g*n .. g*n+n-1
+            same = constant_groups(scored.sequence_rewards, scored.group_ids, len(examples))
+            keep = (~same).nonzero().flatten().tolist()
             dropped += len(examples) - len(keep)
             if keep:
                 rows = [g * n + j for g in keep for j in range(n)]
@@ -257,6 +245,5 @@ def build_sync_source(run) -> SyncSource:
     episodes = getattr(run.task, "environment", None) is not None
     if episodes and run.cfg.loop.dynamic_sampling:
         raise ValueError("loop.dynamic_sampling is not available for multi-turn episodes (task.env.name) yet")
-    if episodes:
-        return EpisodeSource(run)
+    # episodes or completions: generate_batch / score_batch dispatch on the task's environment
     return DynamicSamplingSource(run) if run.cfg.loop.dynamic_sampling else SyncSource(run)
