@@ -553,9 +553,9 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         s = replace(s, surge_lr_mult=args.surge_lr_mult)
     if args.surge_steps is not None:
         s = replace(s, surge_steps=args.surge_steps)
-    from covrl.train.run.folder import git_info
+    from covrl.train.run.folder import git_state
 
-    git = git_info()  # at the start: the code the runs import
+    git = git_state()  # at the start: the code the runs import
     t0, c0 = time.perf_counter(), _cpu()
     args.runs.mkdir(parents=True, exist_ok=True)
     p1 = {} if args.skip_part1 else part1(s, args.runs)

@@ -32,9 +32,10 @@ from studies.time_to_accuracy.time_to_accuracy import (
 )
 
 from covrl.bench.alternate import run_alternating
-from covrl.bench.common import machine_description, source_state
+from covrl.bench.common import machine_description
 from covrl.bench.models import DEFAULT_CACHE, model_dir
 from covrl.config import dump_config, load_config, load_preset
+from covrl.train import git_state
 
 SIDES = ("covrl", "trl")
 QUICK_TASKS = "mul1,count_letters"
@@ -138,7 +139,7 @@ def run_pair(args: argparse.Namespace, task: str, seed: int, sides: list[str], o
                    "covrl_config": cfg.model_dump(mode="json") if side == "covrl" else None,
                    "result": side_result(timing, side, per_side[side], cfg),
                    "load_before": load_before, "load_after": os.getloadavg(),
-                   "source": source_state(), "machine": machine_description()}
+                   "source": git_state(), "machine": machine_description()}
         path = result_path(out, task, seed, side)
         _write_json(path, payload)
         paths.append(path)

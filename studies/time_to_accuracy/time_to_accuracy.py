@@ -23,10 +23,11 @@ import tempfile
 from pathlib import Path
 
 from covrl.bench.alternate import run_alternating
-from covrl.bench.common import source_state, write_bench
+from covrl.bench.common import write_bench
 from covrl.bench.models import DEFAULT_CACHE, model_dir
 from covrl.bench.settings import StepSettings
 from covrl.config import dump_config, load_config, load_preset
+from covrl.train import git_state
 
 
 def add_side_options(parser: argparse.ArgumentParser) -> None:
@@ -132,7 +133,7 @@ def run(args: argparse.Namespace) -> int:
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
     load_before = os.getloadavg()
     timing = run_alternating({s: per_side[s] for s in sides}, sides, timeout_s=7200.0, progress=_progress)
-    results = {"source": source_state(), "target": args.target, "budget_s": args.budget_s, "eval_interval_s": args.eval_interval_s,
+    results = {"source": git_state(), "target": args.target, "budget_s": args.budget_s, "eval_interval_s": args.eval_interval_s,
                "covrl_config": cfg.model_dump(mode="json"), "covrl_config_path": config_path,
                "trl_settings": vars(per_side["trl"]), "load_before": load_before, "load_after": os.getloadavg(),
                "sides": {}}

@@ -18,7 +18,6 @@ from __future__ import annotations
 import contextlib
 import math
 from collections.abc import Callable, Iterator, Mapping
-from importlib import resources
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +35,7 @@ from covrl.api.types import (
     StaleSamplingClientError,
     TrainBatch,
 )
-from covrl.config import load_config
+from covrl.config import load_config, load_preset, override_strings
 from covrl.math import CorrectionConfig, aggregate, rollout_correction
 from covrl.models import forward_response, load_model
 from covrl.models.loading import apply_lora  # the adapters load_model adds
@@ -77,17 +76,11 @@ def resolve_config(config: TrainConfig | str | Path, overrides: Mapping[str, Any
         if overrides:
             raise ValueError("overrides: apply them to the TrainConfig yourself (or pass a preset name / path)")
         return config
+    strings = override_strings(dict(overrides)) if isinstance(overrides, Mapping) else list(overrides or [])
     path = Path(config)
-    if not path.suffix:
-        packaged = resources.files("covrl").joinpath("configs", f"{config}.yaml")
-        if not packaged.is_file():
-            raise FileNotFoundError(f"config: no preset {config!r} in covrl's configs/ and no such file")
-        path = Path(str(packaged))
-    if isinstance(overrides, Mapping):
-        import json
-
-        overrides = [f"{k}={v if isinstance(v, str) else json.dumps(v)}" for k, v in overrides.items()]
-    return load_config(path, list(overrides or []))
+    if not path.suffix:   # a preset name
+        return load_preset(str(config), strings)
+    return load_config(path, strings)
 
 
 class TrainingClient:

@@ -24,9 +24,7 @@ from typing import Any
 
 import torch
 
-from covrl.math import LOSS_SPECS, LossOutput, LossSpec
-
-LOG_RATIO_CLAMP = 20.0   # as covrl.math: exp of a larger log-ratio overflows the fp32 products
+from covrl.math import LOSS_SPECS, LossOutput, LossSpec, clamped_log_ratio
 
 
 @dataclass(frozen=True)
@@ -90,7 +88,7 @@ def _sum(token_loss: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
 
 
 def _ratio(x: LossInputs) -> torch.Tensor:
-    return torch.exp((x.logprobs.float() - x.sampler_logprobs.float()).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP))
+    return torch.exp(clamped_log_ratio(x.logprobs, x.sampler_logprobs))
 
 
 def _cross_entropy(x: LossInputs, options: dict[str, Any]) -> LossOutput:

@@ -7,27 +7,19 @@ import os
 import platform
 import re
 import resource
-import subprocess
 import time
 from pathlib import Path
 from typing import Any
 
+from covrl.train import versions
+
 
 def machine_description() -> dict[str, Any]:
+    """The run's provenance (covrl.train.versions: packages, CPU model) plus what a timing depends on."""
     import torch
 
-    from covrl.models.precision import cpu_bf16_support, cpu_model
-
-    info: dict[str, Any] = {
-        "platform": platform.platform(),
-        "processor": platform.processor(),
-        "cpu_count": os.cpu_count(),
-        "python": platform.python_version(),
-        "torch": torch.__version__,
-        "torch_threads": torch.get_num_threads(),
-        "cpu_model": cpu_model(),
-        "cpu_bf16": cpu_bf16_support(),
-    }
+    info: dict[str, Any] = {**versions(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
+                            "torch_threads": torch.get_num_threads()}
     try:
         with open("/proc/meminfo") as f:
             info["mem_total_kb"] = int(f.readline().split()[1])
@@ -90,20 +82,6 @@ def write_summary(out_dir: Path) -> Path:
     target = Path(out_dir) / "README.md"
     target.write_text(SUMMARY_HEAD + "\n".join(rows) + "\n")
     return target
-
-
-def source_state() -> dict[str, Any]:
-    """The git commit of the covrl source tree and the files of src/ that differ from it (benchmarks run on
-    a tree other engineers edit, so a result names the code it measured)."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                                timeout=10).stdout.strip() or None
-        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "."],
-                                 cwd=here.parent, capture_output=True, text=True, timeout=10).stdout.split("\n")
-    except (OSError, subprocess.SubprocessError):
-        return {"commit": None, "modified": []}
-    return {"commit": commit, "modified": sorted(line[3:] for line in changed if line.strip())}
 
 
 def rss_peak_mb() -> float:

@@ -28,11 +28,11 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from covrl.bench.common import load1, source_state, write_bench
+from covrl.bench.common import load1, write_bench
 from covrl.bench.models import DEFAULT_CACHE, cached_model
 from covrl.bench.settings import StepSettings, bench_train_config, default_task_overrides
 from covrl.bench.step_bench import synthetic_batch
-from covrl.train import Channel, Trainer, free_port
+from covrl.train import Channel, Trainer, free_port, git_state
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -174,7 +174,7 @@ def run(args: argparse.Namespace) -> int:
     t_nosync = _median(setups[f"{args.world}x{args.threads} ddp-no-sync"], "step_s")
     comm = {"ddp_comm_share": 1.0 - t_nosync / t_ddp, "allreduce_grad_s": dist_results["allreduce_grad_s"],
             "grad_numel": dist_results["grad_numel"], "batch_broadcast_s": dist_results["batch_broadcast_s"]}
-    results = {"source": source_state(), "options": opts, "setups": rows, "communication": comm,
+    results = {"source": git_state(), "options": opts, "setups": rows, "communication": comm,
                "cpu_count": os.cpu_count()}
     table = ["| setup (ranks x threads) | step s | fwd+bwd s | optimizer s | speed-up vs 1 process | load1 |",
              "|---|---|---|---|---|---|"]

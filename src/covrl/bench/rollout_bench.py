@@ -31,10 +31,11 @@ import statistics
 import time
 from pathlib import Path
 
-from covrl.bench.common import measure_bandwidth, measure_matmul_flops, source_state, write_bench
+from covrl.bench.common import measure_bandwidth, measure_matmul_flops, write_bench
 from covrl.bench.models import DEFAULT_CACHE, cached_model
 from covrl.bench.settings import StepSettings, build_bench_task, default_task_overrides
 from covrl.rollout import SamplerConfig, build_sampler
+from covrl.train import git_state
 
 DEFAULT_BATCH_SIZES = "1,4,16,64"
 
@@ -283,7 +284,7 @@ def run(args: argparse.Namespace) -> int:
         from covrl.rollout.vllm import shutdown_engines
 
         shutdown_engines()
-    results = {"source": source_state(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
+    results = {"source": git_state(), "model": args.model, "dtype": args.dtype, "threads": args.threads,
                "max_new_tokens": args.max_new_tokens, "bandwidth_GB_s": bandwidth / 1e9,
                "matmul_GFLOP_s": flops / 1e9, **costs, "vllm": vllm_info, "rows": rows,
                "compile": None if compiled is None else {"mode": args.compile, "backend": args.compile_backend,

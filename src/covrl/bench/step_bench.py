@@ -37,14 +37,14 @@ import functools
 import statistics
 import time
 
-from covrl.bench.common import count_flops, measure_matmul_flops, source_state, write_bench
+from covrl.bench.common import count_flops, measure_matmul_flops, write_bench
 from covrl.bench.models import DEFAULT_CACHE, cached_model
 from covrl.bench.settings import StepSettings, bench_train_config, default_task_overrides
 from covrl.math import kl_estimate, rollout_correction, token_logprobs
 from covrl.models import frozen_copy
 from covrl.models.precision import AUTOCAST_MODES, check_autocast, cpu_bf16_support
 from covrl.rollout import ScoredBatch
-from covrl.train import Trainer, forward_response
+from covrl.train import Trainer, forward_response, git_state
 
 # name -> config sections (dicts) merged over the plain step; "needs" lists extra inputs
 VARIANTS: dict[str, dict] = {
@@ -307,7 +307,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
     vocab = model.config.vocab_size
     if args.compile == "only":
         rows = compile_grid(model, vocab, args)
-        results = {"source": source_state(), "model": args.model, "threads": count[arms[0]],
+        results = {"source": git_state(), "model": args.model, "threads": count[arms[0]],
                    "compile_backend": args.compile_backend, "compile": rows}
         note = (f"\nmodel {args.model}, {count[arms[0]]} thread(s), prompt {args.prompt_length} tokens, groups of "
                 f"{args.group_size}, {args.repeats} alternating repeats (median).\n")
@@ -448,7 +448,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                            "fwd_bwd_vs_first": [g["fwd_bwd_s"] / r["fwd_bwd_s"] for g, r in zip(cells, ref_cells)],
                            "step_s": step["step_s"], "step_vs_first": step["step_s"] / ref_step["step_s"]})
 
-    results = {"source": source_state(), "model": args.model, "threads": [count[a] for a in arms],
+    results = {"source": git_state(), "model": args.model, "threads": [count[a] for a in arms],
                "matmul_roof_flop_s": {f"{a}/{d}": v for (a, d), v in roof.items()},
                "autocast": modes, "cpu_bf16": cpu_bf16_support(), "compile": compile_rows,
                "threads_arms": arms, "load_processes": args.load, "load1_at_start": load_start,

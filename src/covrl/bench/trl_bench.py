@@ -26,9 +26,10 @@ import sys
 from pathlib import Path
 
 from covrl.bench.alternate import WORKERS, run_alternating
-from covrl.bench.common import source_state, write_bench
+from covrl.bench.common import write_bench
 from covrl.bench.models import DEFAULT_CACHE
 from covrl.bench.settings import StepSettings, default_task_overrides
+from covrl.train import git_state
 
 
 def configure(parser: argparse.ArgumentParser) -> None:
@@ -91,7 +92,7 @@ def run(args: argparse.Namespace) -> int:
             "trained_tokens_per_s_covrl_over_trl": c["trained_tokens_per_s"] / t["trained_tokens_per_s"],
             "peak_rss_covrl_over_trl": c["peak_rss_mb"] / t["peak_rss_mb"],
         }
-    results = {"source": source_state(), "settings": vars(settings) | {"batch_size": settings.batch_size}, "sides": sides,
+    results = {"source": git_state(), "settings": vars(settings) | {"batch_size": settings.batch_size}, "sides": sides,
                "load_before": load_before, "load_after": os.getloadavg(),
                "ratios": ratios, **timing}
     rows = ["| side | median step s | median gen s | rollouts/s | gen tok/s | trained tok/s | end-to-end tok/s | gen tokens/step | "

@@ -29,7 +29,8 @@ from dataclasses import dataclass, field
 import torch
 from torch import Tensor
 
-LOG_RATIO_CLAMP = 20.0  # clamp log-ratios to ±20 before exp (project convention)
+from covrl.math import KL_ESTIMATORS, LOG_RATIO_CLAMP
+
 MAX_ENUMERATED_SEQUENCES = 2_000_000  # V**T above this is not a "small" model any more
 
 
@@ -99,7 +100,7 @@ def tangent_remainder(
     log_ratio = trainer_logprobs.detach().to(f64) - sampler_logprobs.detach().to(f64)
     raw_abs = torch.where(valid, log_ratio.abs(), torch.zeros_like(log_ratio))
     log_ratio = torch.where(valid, log_ratio.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP), torch.zeros_like(log_ratio))
-    token_k3 = (torch.expm1(log_ratio) - log_ratio) * maskf
+    token_k3 = KL_ESTIMATORS["k3"](log_ratio) * maskf
     seq_log_ratio_raw = (log_ratio * maskf).sum(dim=1)
     seq_log_ratio = seq_log_ratio_raw.clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     seq_kl = token_k3.sum(dim=1)
@@ -122,7 +123,7 @@ def tangent_remainder(
         baseline = (group_wr / group_w.clamp_min(torch.finfo(f64).tiny))[inverse]
     centred = returns - baseline
 
-    seq_k3 = torch.expm1(seq_log_ratio) - seq_log_ratio  # ρ − 1 − log ρ ≥ 0
+    seq_k3 = KL_ESTIMATORS["k3"](seq_log_ratio)  # ρ − 1 − log ρ ≥ 0
     remainder_terms = seq_k3 * centred
     tangent = (w * centred * seq_log_ratio).sum()
     remainder = (w * remainder_terms).sum()

@@ -4,6 +4,7 @@ See docs/math.md for every formula and option name.
 """
 
 from covrl.math._registry import reject_bool
+from covrl.math._util import LOG_RATIO_CLAMP, clamped_log_ratio
 from covrl.math.advantages import (
     ADVANTAGE_ESTIMATORS,
     ADVANTAGE_INPUTS,
@@ -39,10 +40,11 @@ from covrl.math.losses import (
 )
 
 __all__ = [
-    "ADVANTAGE_ESTIMATORS", "ADVANTAGE_INPUTS", "ADVANTAGE_SPECS", "AGGREGATIONS", "KL_ESTIMATORS", "LOSS_INPUTS",
+    "ADVANTAGE_ESTIMATORS", "ADVANTAGE_INPUTS", "ADVANTAGE_SPECS", "AGGREGATIONS", "KL_ESTIMATORS", "LOG_RATIO_CLAMP",
+    "LOSS_INPUTS",
     "LOSS_SPECS", "POLICY_LOSSES", "REJECTION_CRITERIA",
     "AdvantageBatch", "AdvantageOutput", "AdvantageSpec", "CorrectionConfig", "CorrectionOutput", "LossOutput",
-    "LossSpec", "advantage_metrics", "aggregate", "compute_advantages", "constant_groups", "correction_metrics",
+    "LossSpec", "advantage_metrics", "aggregate", "clamped_log_ratio", "compute_advantages", "constant_groups", "correction_metrics",
     "entropy_from_logits", "kl_estimate", "logit_grad_proxy", "make_advantage_batch", "policy_loss",
     "reject_bool", "rollout_correction", "score_centering_term", "sum_pi_squared", "token_logprobs", "variance_proxies",
 ]

@@ -31,26 +31,23 @@ from typing import Annotated, Literal
 import torch
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, field_validator, model_validator
 
-from covrl.math._util import check_2d, check_same_shape, clamped_log_ratio, item, masked_max, masked_mean
+from covrl.math._util import (
+    LOG_RATIO_CLAMP,
+    check_2d,
+    check_same_shape,
+    clamped_log_ratio,
+    item,
+    masked_max,
+    masked_mean,
+)
+from covrl.math.kl import KL_ESTIMATORS
 
 Band = tuple[float, float]
 
 
 # ------------------------------------------------------------------------------------------ rejection stats
 
-def _k1(lr):
-    return -lr
-
-
-def _k2(lr):
-    return 0.5 * lr.square()
-
-
-def _k3(lr):
-    return torch.expm1(lr) - lr
-
-
-_K = {"k1": _k1, "k2": _k2, "k3": _k3}
+_K = {k: KL_ESTIMATORS[k] for k in ("k1", "k2", "k3")}   # on the log-ratio of each drawn token
 
 
 def _token_stat(k):
@@ -202,7 +199,7 @@ def _unit_log_weights(lr: torch.Tensor, mask: torch.Tensor, cfg: CorrectionConfi
     """(log IS weight per unit, unit mask): units are tokens [B, T] or rows [B, 1] (`is_level`)."""
     if cfg.is_level == "token":
         return lr, mask
-    log_w = (torch.where(mask > 0, lr, torch.zeros_like(lr)).sum(1, keepdim=True)).clamp(-20.0, 20.0)
+    log_w = (torch.where(mask > 0, lr, torch.zeros_like(lr)).sum(1, keepdim=True)).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return log_w, (mask.sum(1, keepdim=True) > 0).float()
 
 
@@ -322,10 +319,10 @@ def _mismatch_metrics(trainer_logprobs, sampler_logprobs, lr, maskf) -> dict[str
     ratio = torch.exp(lr)
     mean_logp = masked_mean(trainer_logprobs.float(), maskf, dim=1)
     mean_logq = masked_mean(sampler_logprobs.float(), maskf, dim=1)
-    seq_lr = (lr * maskf).sum(1).clamp(-20.0, 20.0)
+    seq_lr = (lr * maskf).sum(1).clamp(-LOG_RATIO_CLAMP, LOG_RATIO_CLAMP)
     return {
         "mismatch/k1": item(masked_mean(-lr, maskf)),
-        "mismatch/k3": item(masked_mean(torch.expm1(lr) - lr, maskf)),
+        "mismatch/k3": item(masked_mean(_K["k3"](lr), maskf)),
         "mismatch/log_ppl_abs_diff": item(masked_mean((mean_logq - mean_logp).abs(), valid_rows)),
         "mismatch/chi2_token": item(masked_mean(ratio.square(), maskf) - 1.0) if maskf.sum() > 0 else 0.0,
         "mismatch/chi2_seq": item(masked_mean(torch.exp(2.0 * seq_lr), valid_rows) - 1.0)

@@ -28,6 +28,7 @@ from covrl.math._util import (
     masked_mean,
     masked_min,
 )
+from covrl.math.kl import KL_ESTIMATORS
 
 TAIL_FLOOR = 1e-6
 
@@ -318,7 +319,7 @@ def _ratio_metrics(logprobs, sampler_logprobs, advantages, mask, options) -> dic
             "loss/ratio_mean": item(masked_mean(ratio, mask)),
             "loss/ratio_max": item(masked_max(ratio, mask)),
             "loss/ratio_min": item(masked_min(ratio, mask)),
-            "loss/approx_kl": item(masked_mean(torch.expm1(log_r) - log_r, mask)),  # k3 of KL(q‖p)
+            "loss/approx_kl": item(masked_mean(KL_ESTIMATORS["k3"](log_r), mask)),  # k3 of KL(q‖p)
             "loss/approx_kl_k1": item(masked_mean(-log_r, mask)),
             "loss/log_ratio_clamped_frac": item(masked_mean((log_r.abs() >= LOG_RATIO_CLAMP).float(), mask)),
         }

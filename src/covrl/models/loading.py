@@ -178,12 +178,10 @@ def lora_merge_plan(model) -> dict[str, float] | None:
     """For a peft LoRA model: {module path in the base model: scaling} of every adapted layer, when all of
     them are plain LoRA Linear layers (no DoRA, no fan_in_fan_out) so that W_merged = W + scaling * B @ A.
     None for a model without adapters or with layers this formula does not cover."""
-    try:
-        from peft import PeftModel
-        from peft.tuners.lora import Linear as LoraLinear
-        from peft.tuners.lora import LoraLayer
-    except ImportError:  # pragma: no cover - peft is a base dependency
-        return None
+    from peft import PeftModel
+    from peft.tuners.lora import Linear as LoraLinear
+    from peft.tuners.lora import LoraLayer
+
     if not isinstance(model, PeftModel):
         return None
     adapter = model.active_adapter

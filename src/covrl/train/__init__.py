@@ -43,6 +43,8 @@ _PUBLIC: dict[str, str] = {
     "prepare_run": "covrl.train.run.folder",
     "seed_everything": "covrl.train.run.folder",
     "resolve_device": "covrl.train.run.folder",
+    "versions": "covrl.train.run.provenance",
+    "git_state": "covrl.train.run.provenance",
     "run_loop": "covrl.train.run.driver",
     "train_sync": "covrl.train.run.driver",
     "RolloutSource": "covrl.train.run.sources",

@@ -21,6 +21,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
+from covrl.math import KL_ESTIMATORS, clamped_log_ratio
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.asyncrl.config import AsyncLoopConfig
 from covrl.train.asyncrl.staleness import Chunk, StalenessManager, TakeResult
@@ -144,8 +145,7 @@ def floor_probe(reference_model, batch: RolloutBatch, temperature: float) -> flo
     with torch.no_grad():
         fwd = forward_response(reference_model, batch, temperature, with_stats=False)
     mask = batch.train_mask.float()   # the model's tokens: an episode's environment tokens have no sampler log-prob
-    lr = (fwd.logprobs.float() - batch.sampler_logprobs.float()).clamp(-20, 20)
-    k3 = (lr.exp() - 1 - lr) * mask
+    k3 = KL_ESTIMATORS["k3"](clamped_log_ratio(fwd.logprobs, batch.sampler_logprobs)) * mask
     return float(k3.sum(1).mean())
 
 

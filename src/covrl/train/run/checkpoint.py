@@ -81,12 +81,9 @@ def save_model(model, directory: Path, tokenizer=None, weights: dict[str, torch.
     folder can be loaded with `model.source=hf model.path=<folder>`. `weights`: the full state dict to write
     in place of the model's own (a sharded model's, gathered)."""
     directory.mkdir(parents=True, exist_ok=True)
-    try:  # transformers prints a shard progress bar on save; keep run logs clean
-        from transformers.utils import logging as hf_logging
+    from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
-    except ImportError:  # pragma: no cover
-        pass
+    hf_logging.disable_progress_bar()   # transformers prints a shard progress bar on save; keep run logs clean
     model.save_pretrained(str(directory), safe_serialization=True, state_dict=weights)
     if tokenizer is not None:
         tokenizer.save_pretrained(str(directory))

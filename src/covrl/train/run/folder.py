@@ -14,10 +14,8 @@ from __future__ import annotations
 
 import json
 import os
-import platform
 import random
 import shutil
-import subprocess
 import sys
 import time
 from dataclasses import dataclass, field
@@ -35,6 +33,7 @@ from covrl.tasks import build_task
 from covrl.train.run import checkpoint as ckpt
 from covrl.train.run.evaluate import evaluate
 from covrl.train.run.plots import plot_curves
+from covrl.train.run.provenance import git_state, versions
 from covrl.train.run.sinks import (
     ConsoleSink,
     JsonlSink,
@@ -59,36 +58,6 @@ def seed_everything(seed: int) -> None:
     random.seed(seed)
     np.random.seed(seed % (2 ** 32))
     torch.manual_seed(seed)
-
-
-def versions() -> dict[str, str]:
-    import importlib.metadata as md
-
-    from covrl.models.precision import cpu_bf16_support, cpu_model
-
-    # the CPU too: its kernels decide float rounding, so the same seed and threads differ across CPU models
-    out = {"python": platform.python_version(), "platform": platform.platform(), "cpu_model": cpu_model(),
-           "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-           "cpu_bf16": ",".join(k for k, v in cpu_bf16_support().items() if v) or "none"}
-    for pkg in ("covrl", "torch", "transformers", "peft", "pydantic", "numpy"):
-        try:
-            out[pkg] = md.version(pkg)
-        except md.PackageNotFoundError:
-            out[pkg] = "not installed"
-    return out
-
-
-def git_info() -> dict[str, Any]:
-    """Commit of the source tree covrl is imported from (None outside a git checkout)."""
-    here = Path(__file__).resolve().parent
-    try:
-        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=here, capture_output=True, text=True,
-                                timeout=5).stdout.strip() or None
-        dirty = bool(subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=here,
-                                    capture_output=True, text=True, timeout=5).stdout.strip()) if commit else None
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = None, None
-    return {"commit": commit, "dirty": dirty}
 
 
 def _write_json(path: Path, data: Any) -> None:
@@ -262,7 +231,7 @@ class Run:
             "train_time_split_s": split,
             "eval_before": brief(before), "eval_after": brief(after),
             "final_metrics_last5": final, "sft": self.sft_metrics or None,
-            "versions": versions(), "git": git_info(), "seed": self.cfg.run.seed,
+            "versions": versions(), "git": git_state(), "seed": self.cfg.run.seed,
             # results depend on the thread count (float summation order): part of what reproduces a run
             "torch_threads": torch.get_num_threads(),
             # how run.num_threads was resolved: the setting, the count, and auto's inputs (covrl.train.run.threads)
