@@ -1,4 +1,4 @@
-"""The long-response regime of seed results ¶9 (length-surge lr decay) and ¶10 (OTB), issue #19: what
+"""The long-response regime of the results docs/theory.md ¶9 (length-surge lr decay) and ¶10 (OTB): what
 `python -m studies lr-surge-long` and `python -m studies otb-long` share.
 
 Regime: the tiny 2-layer Llama + char tokenizer on `fib_chain` (configs/tiny_chain.yaml): a Fibonacci-style

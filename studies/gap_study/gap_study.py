@@ -1,4 +1,4 @@
-"""Gap study on SmolLM2-135M (issue 5): engine floors and a small correction study.
+"""Gap study on SmolLM2-135M: engine floors and a small correction study.
 
 Runs ``covrl train`` as subprocesses (sequentially; the machine has 2 shared cores), reads each run's
 ``metrics.jsonl`` and writes ``runs/gap-study/summary.json`` and ``studies/gap_study/gap-study.png``.

@@ -1,4 +1,4 @@
-"""The gap study of studies/gap_study/README.md re-run with vLLM as the engine (issue 15).
+"""The gap study of studies/gap_study/README.md re-run with vLLM as the engine.
 
 Runs `covrl train` on configs/default.yaml (SmolLM2-135M, 30 steps) with `sampler.backend=vllm`, the engine in
 its own process (`sampler.vllm.engine_process=true`) so that `run.num_threads=1` holds in the trainer, one arm

@@ -1,5 +1,5 @@
 """Reproduction `python -m studies lr-surge-long`: seed result ¶9 (length-surge lr decay) in the long-response regime
-(issue #19; design C of studies/lr_surge/README.md, registered before the run).
+(design C of studies/lr_surge/README.md, registered before the run).
 
 Regime (studies.long_horizon): the tiny model on `fib_chain` (268-token worked solutions), bf16 sampler vs
 fp32 trainer, GRPO + covariance loss, a peak lr at which the constant-lr baseline collapses in some but not all

@@ -1,5 +1,5 @@
 """Reproduction `python -m studies otb-long`: seed result ¶10 (Optimal Token Baseline) in the long-response regime
-(issue #19; design C of studies/otb/README.md, registered before the run).
+(design C of studies/otb/README.md, registered before the run).
 
 Regime (studies.long_horizon): the tiny model on `fib_chain` (268-token worked solutions), bf16 sampler vs
 fp32 trainer, covariance loss, the peak lr at which the GRPO baseline collapses in some but not all seeds (the

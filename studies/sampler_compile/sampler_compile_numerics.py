@@ -1,6 +1,6 @@
 """Eager vs compiled (sampler.compile, inductor) hf sampler on SmolLM2 over several seeds: rows with identical
 tokens and masks, max |d log q| on those rows, and where the first row diverges (row, step, log q eager /
-compiled of the drawn tokens, max |d log q| before it). docs/performance.md, "Compiled sampler decode step".
+compiled of the drawn tokens, max |d log q| before it). studies/sampler_compile/README.md.
 
     OMP_NUM_THREADS=1 python -m studies sampler-compile [--seeds 8] [--rows 16]
 """

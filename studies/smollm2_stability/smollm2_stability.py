@@ -1,4 +1,4 @@
-"""SmolLM2-135M stability check (issue #7): OTB vs GRPO, and one length-surge run, at small scale on CPU.
+"""SmolLM2-135M stability check: OTB vs GRPO, and one length-surge run, at small scale on CPU.
 
 Part 1 (OTB vs GRPO): `configs/default.yaml` (SmolLM2-135M-Instruct, one-digit addition, covariance loss, lr 2e-5,
 4 prompts x 4 completions, 16 new tokens), two arms that differ only in `algorithm.advantage` (otb, grpo). Same

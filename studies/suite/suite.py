@@ -1,5 +1,5 @@
 """`python -m studies suite`: covrl's default run vs TRL's GRPO on tasks the defaults were not chosen on
-(`studies.suite.suite_tasks`), several seeds per side, equal training time, one evaluator (issue #18).
+(`studies.suite.suite_tasks`), several seeds per side, equal training time, one evaluator.
 
 For each task x seed the time-to-accuracy machinery (`studies.time_to_accuracy.time_to_accuracy`) runs the missing sides
 alternately: covrl on configs/default.yaml with only the task section overridden (and `run.seed`), TRL on the

@@ -1,4 +1,4 @@
-"""Engine floor of a real hybrid engine vs engine options (issue 15; docs/engines.md): for fp32 and bf16 vLLM
+"""Engine floor of a real hybrid engine vs engine options (docs/engines.md): for fp32 and bf16 vLLM
 engines with prefix caching and chunked prefill on and off, the sampler's log-probs against the fp32 trainer's
 forward on the same rows (token k3, kl_seq as the summed k3 per sequence, chi^2 = E_q[(p/q - 1)^2] per token,
 max |d log p|). Short prompts (the demo task, < one 128-token KV block, so never prefix-cached on the CPU build)

@@ -1,4 +1,4 @@
-"""`covrl repro async-gap --fast`: the toy's exact gap keeps fixed with the optimizer's lr rule and a queue sized
+"""`python -m studies async-gap --fast`: the toy's exact gap keeps fixed with the optimizer's lr rule and a queue sized
 in rollouts, grows otherwise; so does the tiny transformer's (4x B, burned-in weights, several seeds); the
 emulated queue gives every rollout the lag Q/B; the gap at staleness 0 equals the probed bf16 engine floor and
 grows with the queue."""

@@ -1,4 +1,4 @@
-"""`covrl repro async-momentum --fast` (design B of studies/async_gap/README.md §4): the machinery of the β1 = 0.9
+"""`python -m studies async-momentum --fast` (design B of studies/async_gap/README.md §4): the machinery of the β1 = 0.9
 study — both arms run at their rule's lr, every rollout in the window lags exactly Q/B steps, the toy and tiny
 ratios are finite and the figure is written. The fast variant's ratios are not a verdict (2 seeds, short runs)."""
 

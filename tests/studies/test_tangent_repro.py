@@ -1,4 +1,4 @@
-"""`covrl repro tangent --fast`: every criterion of the reproduction must hold (docs/theory.md §5)."""
+"""`python -m studies tangent --fast`: every criterion of the reproduction must hold (docs/theory.md §5)."""
 
 from __future__ import annotations
 
