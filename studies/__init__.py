@@ -44,4 +44,5 @@ COMMANDS: dict[str, str] = {
     "vllm-engine": "studies.vllm_engine.measure_vllm",
     "vllm-floor-options": "studies.vllm_engine.measure_vllm_floor_options",
     "vllm-engine-process": "studies.vllm_engine.measure_vllm_process",
+    "truncation-gap": "studies.truncation.measure_gap",
 }

@@ -21,7 +21,7 @@ import torch
 
 from covrl.config import load_config
 from covrl.models import load_model
-from covrl.rollout import build_sampler, filtered_logprobs
+from covrl.rollout import build_sampler, filtered_logprobs, truncation_rule
 from covrl.tasks import build_task
 
 TINY = ["model.source=tiny", "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
@@ -69,7 +69,7 @@ def main():
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
     logq = filtered_logprobs(logits[:, batch.prompt_ids.shape[1] - 1: -1], cfg.sampler.temperature,
-                             cfg.sampler.top_k, cfg.sampler.top_p)
+                             truncation_rule(cfg.sampler))[0]
     logq = logq.gather(-1, batch.response_ids[..., None]).squeeze(-1)
     m = batch.response_mask.bool()
     out["max_abs_dlogp_equal_weights"] = float((logq - batch.sampler_logprobs)[m].abs().max())

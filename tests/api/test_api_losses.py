@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from api_helpers import make_batch
+from api_helpers import SMALL, make_batch
 
 from covrl.api import API_LOSSES, MATH_LOSSES, TINKER_LOSSES
 from covrl.math import LOSS_SPECS, policy_loss
@@ -115,3 +115,25 @@ def test_correction_weights_reach_the_loss(client):
     r = client.forward_backward(batch, "covariance", correction={"is_level": "token", "is_threshold": 1.5})
     assert r.metrics["correction/weight_max"] <= 1.5 and r.metrics["correction/is_changed_frac"] > 0
     assert set(API_LOSSES) >= set(MATH_LOSSES)
+
+
+@pytest.mark.parametrize("mode", ["replay", "full"])
+def test_forward_replays_a_truncating_samplers_kept_sets(tmp_path, mode):
+    """With sampler.top_k the client's forward scores the drawn tokens on the sampler's kept sets (replay): at
+    equal weights the log-probs are the sampler's, ratio 1; the full softmax is lower by log S_t < 0."""
+    from covrl.api import TrainBatch, TrainingClient
+
+    client = TrainingClient.from_config("tiny", {**SMALL, "sampler.top_k": 4, "trainer.truncation": mode},
+                                        state_dir=tmp_path)
+    sampling = client.save_weights_and_get_sampling_client()
+    examples, _ = client.stream.take(2)
+    out = sampling.sample([client.task.encode(client.tokenizer, ex) for ex in examples], 3)
+    batch = TrainBatch.from_rollouts(out.batch)
+    assert batch.sampler_kept is not None and int(batch.sampler_kept.max()) <= 4
+    lp = client.forward(batch).logprobs
+    mask = batch.response_mask > 0
+    gap = (lp - batch.sampler_logprobs)[mask]
+    if mode == "replay":
+        assert gap.abs().max() < 1e-4
+    else:
+        assert gap.max() < 0 and gap.mean() < -1e-2

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from covrl._lazy import MissingExtraError
+from covrl.math.truncation import TruncationRule
 from covrl.models import ModelConfig, load_model
 from covrl.rollout import (
     SamplerConfig,
@@ -13,6 +14,7 @@ from covrl.rollout import (
     decode_responses,
     filtered_logprobs,
     sample_from_logprobs,
+    truncation_rule,
 )
 from covrl.rollout.vllm import vllm_available
 
@@ -40,7 +42,7 @@ def recompute_logprobs(model, batch, cfg: SamplerConfig, dtype=torch.float32):
         logits = model.to(dtype)(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     P = batch.prompt_ids.shape[1]
     logits = logits[:, P - 1: -1]  # the logit that predicts each response token
-    logq = filtered_logprobs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+    logq = filtered_logprobs(logits, cfg.temperature, truncation_rule(cfg))[0]
     return logq.gather(-1, batch.response_ids[..., None]).squeeze(-1) * batch.response_mask
 
 
@@ -107,16 +109,16 @@ def test_bf16_sampler_mismatch_vs_fp32(tiny):
 
 def test_filtered_logprobs_renormalised_on_the_kept_set():
     logits = torch.tensor([[2.0, 1.0, 0.5, 0.0, -1.0]])
-    lq = filtered_logprobs(logits, temperature=1.0, top_k=2)
+    lq = filtered_logprobs(logits, 1.0, TruncationRule(top_k=2))[0]
     expected = torch.log_softmax(torch.tensor([2.0, 1.0]), -1)
     assert torch.allclose(lq[0, :2], expected) and torch.isinf(lq[0, 2:]).all()
     # top-p: probabilities of [3, 2, 1, 0] / T=1 are ~[.644, .237, .087, .032]; p=0.85 keeps the first two
-    lq = filtered_logprobs(torch.tensor([[1.0, 3.0, 0.0, 2.0]]), top_p=0.85)
+    lq = filtered_logprobs(torch.tensor([[1.0, 3.0, 0.0, 2.0]]), 1.0, TruncationRule(top_p=0.85))[0]
     kept = torch.isfinite(lq[0]).nonzero().squeeze(-1).tolist()
     assert sorted(kept) == [1, 3]
     assert math.isclose(lq[0, [1, 3]].exp().sum().item(), 1.0, rel_tol=1e-6)
     # temperature divides the logits before the softmax
-    lq = filtered_logprobs(torch.tensor([[1.0, 0.0]]), temperature=0.5)
+    lq = filtered_logprobs(torch.tensor([[1.0, 0.0]]), 0.5)[0]
     assert torch.allclose(lq, torch.log_softmax(torch.tensor([[2.0, 0.0]]), -1))
 
 
@@ -244,13 +246,13 @@ from hypothesis import strategies as st  # noqa: E402
        st.floats(0.05, 1.0))
 def test_filter_properties(values, temperature, top_k, top_p):
     """Normalised on the kept set; top-k keeps >= min(k, V) tokens (ties), all >= the k-th logit; the nucleus
-    is minimal: dropping its least likely token leaves mass < top_p, while the kept mass (before
-    renormalising) reaches top_p."""
+    is minimal up to ties: dropping its least likely tokens (all tied at the boundary) leaves mass < top_p,
+    while the kept mass (before renormalising) reaches top_p."""
     z = torch.tensor([values], dtype=torch.float32)
-    lq = filtered_logprobs(z, temperature, top_k, top_p)
+    lq = filtered_logprobs(z, temperature, TruncationRule(top_k=top_k, top_p=top_p))[0]
     kept = torch.isfinite(lq[0])
     assert abs(lq[0][kept].exp().sum().item() - 1.0) < 1e-5
-    after_k = filtered_logprobs(z, temperature, top_k, 1.0)
+    after_k = filtered_logprobs(z, temperature, TruncationRule(top_k=top_k))[0]
     kept_k = torch.isfinite(after_k[0])
     if 0 < top_k < len(values):
         assert kept_k.sum() >= top_k
@@ -263,4 +265,5 @@ def test_filter_properties(values, temperature, top_k, top_p):
         p = after_k[0].exp()  # the distribution the nucleus is cut from
         mass = p[kept].sum().item()
         assert mass >= top_p - 1e-6
-        assert mass - p[kept].min().item() < top_p + 1e-6
+        lowest = p[kept].min()   # ties at the boundary are kept together (a threshold on the logits)
+        assert mass - p[kept][p[kept] <= lowest * (1 + 1e-6)].sum().item() < top_p + 1e-6

@@ -19,7 +19,7 @@ pytestmark = pytest.mark.skipif(not vllm_available(), reason="vllm is not instal
 from covrl.config import load_config  # noqa: E402
 from covrl.models import ModelConfig, load_model  # noqa: E402
 from covrl.models.loading import LoraConfig  # noqa: E402
-from covrl.rollout import SamplerConfig, build_sampler, filtered_logprobs  # noqa: E402
+from covrl.rollout import SamplerConfig, build_sampler, filtered_logprobs, truncation_rule  # noqa: E402
 from covrl.tasks import build_task  # noqa: E402
 from covrl.train.asyncrl.config import AsyncLoopConfig  # noqa: E402
 from covrl.train.asyncrl.pools import clone_weights  # noqa: E402
@@ -64,7 +64,7 @@ def recompute(model, batch, cfg: SamplerConfig):
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=pos).logits
     logits = logits[:, batch.prompt_ids.shape[1] - 1: -1]
-    logq = filtered_logprobs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+    logq = filtered_logprobs(logits, cfg.temperature, truncation_rule(cfg))[0]
     return logq.gather(-1, batch.response_ids[..., None]).squeeze(-1) * batch.response_mask
 
 
@@ -181,7 +181,7 @@ def test_topk_logprobs_of_the_processed_distribution(tiny, cache):
     mask = torch.cat([batch.prompt_mask, batch.response_mask], dim=1).long()
     with torch.no_grad():
         logits = model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0)).logits
-    logq = filtered_logprobs(logits[:, batch.prompt_ids.shape[1] - 1: -1], cfg.temperature, cfg.top_k, cfg.top_p)
+    logq = filtered_logprobs(logits[:, batch.prompt_ids.shape[1] - 1: -1], cfg.temperature, truncation_rule(cfg))[0]
     top = logq.topk(3, dim=-1)
     m = batch.response_mask.bool()
     assert torch.equal(batch.sampler_topk_ids[m], top.indices[m])
@@ -364,7 +364,7 @@ def test_sampler_worker_owns_a_vllm_engine_and_records_versions(tmp_path, cache)
     it; without weights (the worker already holds that version) it generates from the weights it has. Here it
     runs in this process (one engine for the module; Ray is not installed in the vLLM venv)."""
     cfg = run_cfg(tmp_path, cache)
-    worker = SamplerWorker(cfg.model_dump(mode="json"), 0)
+    worker = SamplerWorker(cfg, 0)
     assert worker.sampler.version == -1
     task = build_task(cfg.task)
     examples = list(task.train[:2])
@@ -453,3 +453,30 @@ def test_ray_sampler_actor_with_vllm_equals_sync(sync_run):
     assert all(r["async/staleness_max"] == 0 for r in records)
     assert comparable(records) == comparable(sync_records)
     assert summary["eval_after"] == sync_summary["eval_after"]
+
+
+@pytest.mark.parametrize("over", [{"top_p": 0.9}, {"top_k": 20}, {"top_p": 0.9, "top_k": 20, "min_p": 0.02}],
+                         ids=["topp0.9", "topk20", "topp-topk-minp"])
+def test_the_trainer_replays_vllms_kept_sets_to_the_fp32_floor(tiny, cache, over):
+    """vLLM reports no kept-set sizes: the replaying trainer applies the same rule to its own logits
+    (docs/theory.md §12). At equal fp32 weights its token k3 against vLLM's log q is the fp32 floor, while the
+    full softmax reports the kept mass as mismatch (ratio mean S_t < 1)."""
+    from covrl.math.truncation import TruncationRule
+    from covrl.models.forward import forward_response
+
+    model, tok = tiny
+    sampler, cfg = vllm_sampler(model, tok, cache, temperature=1.0, **over)
+    batch = sampler.generate(PROMPTS, 4, generator=torch.Generator().manual_seed(11))
+    assert batch.sampler_kept is None
+    rule = TruncationRule(top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+    m = batch.response_mask.bool()
+    k3, ratio = {}, {}
+    for replay in (True, False):
+        with torch.no_grad():
+            fwd = forward_response(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                   batch.response_mask, 1.0, with_stats=False, truncation=rule, replay=replay)
+        lr = (fwd.logprobs - batch.sampler_logprobs)[m]
+        k3[replay], ratio[replay] = float((torch.expm1(lr) - lr).mean()), float(lr.exp().mean())
+        assert fwd.truncation.sampled_outside[m].float().mean() < 0.02
+    assert k3[True] < 1e-7 and abs(ratio[True] - 1) < 1e-4, (k3, ratio)
+    assert k3[False] > 1e-3 and ratio[False] < 0.99, (k3, ratio)

@@ -39,7 +39,7 @@ from covrl.config import load_config, load_preset, override_strings
 from covrl.math import CorrectionConfig, aggregate, rollout_correction
 from covrl.models import forward_response, load_model
 from covrl.models.loading import apply_lora  # the adapters load_model adds
-from covrl.rollout.sampler import SamplerConfig, build_sampler
+from covrl.rollout.sampler import SamplerConfig, build_sampler, truncation_rule
 from covrl.rollout.types import ScoredBatch
 from covrl.tasks import build_task
 from covrl.train import (
@@ -94,7 +94,8 @@ class TrainingClient:
 
     def __init__(self, model, tokenizer, *, temperature: float = 1.0, correction: CorrectionConfig | dict | None = None,
                  micro_batch_size: int | None = None, share_prompts: bool = False,
-                 sampler_config: SamplerConfig | None = None, seed: int = 0, state_dir: str | Path = "runs/api"):
+                 sampler_config: SamplerConfig | None = None, seed: int = 0, state_dir: str | Path = "runs/api",
+                 truncation: str = "auto"):
         self.model = model
         self.tokenizer = tokenizer
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -106,6 +107,10 @@ class TrainingClient:
             raise ValueError(f"micro_batch_size: must be >= 1 or None, got {micro_batch_size}")
         self.micro_batch_size = micro_batch_size
         self.share_prompts = share_prompts
+        # a truncating sampler's kept sets, replayed by the trainer's forward unless truncation="full" (§12)
+        rule = truncation_rule(sampler_config or SamplerConfig(temperature=self.temperature))
+        self.truncation = rule if rule.active else None
+        self.replay = self.truncation is not None and truncation != "full"
         self.sampler_config = sampler_config or SamplerConfig(temperature=self.temperature)
         self.generator = torch.Generator().manual_seed(int(seed))
         self.state_dir = Path(state_dir)
@@ -141,7 +146,8 @@ class TrainingClient:
         client = cls(model, tokenizer, temperature=cfg.sampler.temperature, correction=cfg.correction,
                      micro_batch_size=cfg.optim.micro_batch_size, share_prompts=cfg.optim.share_prompts,
                      sampler_config=cfg.sampler, seed=cfg.run.seed,
-                     state_dir=state_dir or Path(cfg.run.output_dir) / f"{cfg.run.name}-api")
+                     state_dir=state_dir or Path(cfg.run.output_dir) / f"{cfg.run.name}-api",
+                     truncation=cfg.trainer.truncation)
         if warmup and cfg.sft_warmup.steps > 0:
             client.sft_metrics = sft_warmup(model, tokenizer, task, cfg.sft_warmup, seed=cfg.run.seed,
                                             micro_batch_size=cfg.optim.micro_batch_size * 4)
@@ -153,7 +159,8 @@ class TrainingClient:
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": lora})})
             client = cls(model, tokenizer, temperature=client.temperature, correction=client.correction,
                          micro_batch_size=client.micro_batch_size, share_prompts=client.share_prompts,
-                         sampler_config=client.sampler_config, seed=cfg.run.seed, state_dir=client.state_dir)
+                         sampler_config=client.sampler_config, seed=cfg.run.seed, state_dir=client.state_dir,
+                         truncation=cfg.trainer.truncation)
             client.sft_metrics = sft
         client.config, client.task, client.stream = cfg, task, stream
         return client
@@ -167,7 +174,8 @@ class TrainingClient:
         cfg = run.cfg
         client = cls(run.model, run.tokenizer, temperature=cfg.sampler.temperature, correction=cfg.correction,
                      micro_batch_size=cfg.optim.micro_batch_size, share_prompts=cfg.optim.share_prompts,
-                     sampler_config=cfg.sampler, seed=cfg.run.seed, state_dir=Path(run.run_dir) / "api")
+                     sampler_config=cfg.sampler, seed=cfg.run.seed, state_dir=Path(run.run_dir) / "api",
+                     truncation=cfg.trainer.truncation)
         client._sampler, client.generator = run.sampler, run.generator   # the run's, so its draws are the run's
         client.config, client.task, client.stream = cfg, run.task, run.stream
         client.sft_metrics, client.trainer, client.version = run.sft_metrics, run.trainer, run.trainer.version
@@ -201,7 +209,9 @@ class TrainingClient:
 
     def _forward(self, mb: TrainBatch):
         return forward_response(self.model, mb.prompt_ids, mb.prompt_mask.float(), mb.response_ids,
-                                mb.response_mask.float(), self.temperature, share_prompts=self.share_prompts)
+                                mb.response_mask.float(), self.temperature, share_prompts=self.share_prompts,
+                                truncation=self.truncation if self.replay else None, replay=self.replay,
+                                kept_counts=mb.sampler_kept)
 
     @torch.no_grad()
     def forward(self, batch: TrainBatch) -> ForwardResult:

@@ -58,6 +58,7 @@ class TrainBatch:
     advantages: torch.Tensor | None = None
     weights: torch.Tensor | None = None
     sampled: torch.Tensor | None = None
+    sampler_kept: torch.Tensor | None = None   # [B, T] kept-set sizes of a truncating sampler (RolloutBatch's)
 
     def __post_init__(self):
         for name in ("prompt_ids", "prompt_mask", "response_ids", "response_mask", "sampler_logprobs", "advantages",
@@ -81,7 +82,7 @@ class TrainBatch:
         if int((self.prompt_mask > 0).sum(1).min()) == 0:
             raise ValueError("TrainBatch.prompt_ids: every row needs at least one prompt token (the first token "
                              "is never scored: nothing predicts it)")
-        for name in ("sampler_logprobs", "weights", "sampled"):
+        for name in ("sampler_logprobs", "weights", "sampled", "sampler_kept"):
             v = getattr(self, name)
             if v is not None and tuple(v.shape) != (B, T):
                 raise ValueError(f"TrainBatch.{name}: shape {list(v.shape)} != response_ids {[B, T]}")
@@ -157,20 +158,23 @@ class TrainBatch:
                       weights: torch.Tensor | None = None) -> TrainBatch:
         """The rows of a sampler's RolloutBatch (tokens, masks and its sampler log-probs)."""
         return cls(batch.prompt_ids, batch.prompt_mask.float(), batch.response_ids, batch.response_mask.float(),
-                   sampler_logprobs=batch.sampler_logprobs.float(), advantages=advantages, weights=weights)
+                   sampler_logprobs=batch.sampler_logprobs.float(), advantages=advantages, weights=weights,
+                   sampler_kept=batch.sampler_kept)
 
     def select(self, rows: torch.Tensor) -> TrainBatch:
         """Rows `rows` with all-padding columns dropped (leading prompt, trailing response columns)."""
         def pick(v):
             return None if v is None else v[rows]
         sub = {k: pick(getattr(self, k)) for k in ("prompt_ids", "prompt_mask", "response_ids", "response_mask",
-                                                 "sampler_logprobs", "advantages", "weights", "sampled")}
+                                                 "sampler_logprobs", "advantages", "weights", "sampled",
+                                                 "sampler_kept")}
         cols = (sub["prompt_mask"] > 0).any(0).nonzero()
         p0 = int(cols[0]) if cols.numel() else 0
         rcols = (sub["response_mask"] > 0).any(0).nonzero()
         t = max(int(rcols[-1]) + 1 if rcols.numel() else 1, 1)
         sub["prompt_ids"], sub["prompt_mask"] = sub["prompt_ids"][:, p0:], sub["prompt_mask"][:, p0:]
-        for k in ("response_ids", "response_mask", "sampler_logprobs", "advantages", "weights", "sampled"):
+        for k in ("response_ids", "response_mask", "sampler_logprobs", "advantages", "weights", "sampled",
+                  "sampler_kept"):
             if sub[k] is not None:
                 sub[k] = sub[k][:, :t]
         return replace(self, **sub)

@@ -14,6 +14,7 @@ from dataclasses import dataclass
 import torch
 
 from covrl.math import entropy_from_logits, sum_pi_squared, token_logprobs
+from covrl.math.truncation import TruncationRule, kept_log_mass, kept_mask, truncate_logits
 from covrl.models.precision import autocast as autocast_context
 
 
@@ -23,6 +24,21 @@ class ResponseForward:
     entropy: torch.Tensor               # [b, t] detached (zeros without stats)
     sum_pi_sq: torch.Tensor             # [b, t] detached (zeros without stats)
     topk_logprobs: torch.Tensor | None  # [b, t, K] with grad (score centring), else None
+    truncation: TruncationStats | None = None   # the kept sets of a truncating sampler, measured
+
+
+@dataclass
+class TruncationStats:
+    """Per token [b, t], detached: log S = log π(K) (the trainer's full-softmax mass on the kept set), whether
+    the trainer's own rule on its logits kept another number of tokens than the sampler reported, and whether
+    the drawn token fell outside the trainer's top-|K| (it is added to the set)."""
+
+    log_kept_mass: torch.Tensor
+    count_mismatch: torch.Tensor
+    sampled_outside: torch.Tensor
+
+
+TOPK_TRUNCATED_FLOOR = -1e4   # a top-k id outside the kept set: log π_K = −inf, floored so products stay finite
 
 
 # ------------------------------------------------------------------------------------------ KV-cache shims
@@ -120,7 +136,8 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
 def forward_response(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                      response_mask: torch.Tensor, temperature: float, *, with_stats: bool = True,
                      topk_ids: torch.Tensor | None = None, share_prompts: bool = True,
-                     autocast: str = "none") -> ResponseForward:
+                     autocast: str = "none", truncation: TruncationRule | None = None,
+                     replay: bool = False, kept_counts: torch.Tensor | None = None) -> ResponseForward:
     """Log-probs of the response tokens in one forward pass.
 
     Input = [left-padded prompt | right-padded response]; position ids follow the attention mask (as in
@@ -131,6 +148,10 @@ def forward_response(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     `with_stats`: also the detached entropy and Σπ² per token; `topk_ids` [b, t, K]: also their log-probs.
     `autocast` (covrl.models.precision.AUTOCAST_MODES): the model runs under torch.autocast; the log-probs,
     entropy and Σπ² are computed after it, in fp32 from the (bf16) logits upcast block by block.
+    `truncation` (the sampler's top-k / top-p / min-p): the kept sets are measured (`truncation` of the result);
+    with `replay` every quantity is that of the truncated distribution π_K (docs/theory.md §12). The kept set is
+    the trainer's own top-`kept_counts` (the sampler's recorded sizes) or, without them, the rule on these logits;
+    the drawn token is always in it.
     """
     prompt_of_row = shared_prompts(prompt_ids, prompt_mask) if share_prompts else None
     logits = None
@@ -140,10 +161,17 @@ def forward_response(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                                           prompt_of_row)
         if logits is None:
             logits = full_logits(model, prompt_ids, prompt_mask, response_ids, response_mask)
+    stats = None
+    if truncation is not None and truncation.active:
+        kept, stats = _kept_sets(logits.detach(), response_ids, temperature, truncation, kept_counts)
+        if replay:
+            logits = truncate_logits(logits, kept)
     logprobs = token_logprobs(logits, response_ids, temperature)
     topk = None
     if topk_ids is not None:
         topk = token_logprobs(logits, topk_ids.clamp(0, logits.shape[-1] - 1), temperature)
+        if replay and stats is not None:
+            topk = topk.clamp(min=TOPK_TRUNCATED_FLOOR)
     if with_stats:
         with torch.no_grad():
             detached = logits.detach()
@@ -151,7 +179,23 @@ def forward_response(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
             sps = sum_pi_squared(detached, temperature)
     else:
         entropy = sps = torch.zeros_like(logprobs)
-    return ResponseForward(logprobs=logprobs, entropy=entropy, sum_pi_sq=sps, topk_logprobs=topk)
+    return ResponseForward(logprobs=logprobs, entropy=entropy, sum_pi_sq=sps, topk_logprobs=topk, truncation=stats)
+
+
+@torch.no_grad()
+def _kept_sets(logits: torch.Tensor, response_ids: torch.Tensor, temperature: float, rule: TruncationRule,
+               kept_counts: torch.Tensor | None) -> tuple[torch.Tensor, TruncationStats]:
+    """The trainer's kept set per position (the drawn token included) and its measurements."""
+    by_rule = kept_mask(logits, temperature, rule)
+    if kept_counts is None:
+        own = by_rule
+        mismatch = torch.zeros(response_ids.shape, dtype=torch.bool, device=logits.device)
+    else:
+        own = kept_mask(logits, temperature, counts=kept_counts)
+        mismatch = (by_rule.sum(-1) != kept_counts) & (kept_counts > 0)
+    outside = ~own.gather(-1, response_ids.unsqueeze(-1)).squeeze(-1)
+    kept = own.scatter(-1, response_ids.unsqueeze(-1), True)
+    return kept, TruncationStats(kept_log_mass(logits, temperature, kept), mismatch, outside)
 
 
 # ----------------------------------------------------------------------------------------------- decoding

@@ -8,9 +8,10 @@ from covrl.rollout.sampler import (
     build_sampler,
     filtered_logprobs,
     sample_from_logprobs,
+    truncation_rule,
 )
 from covrl.rollout.text import decode_responses
 from covrl.rollout.types import RolloutBatch, RolloutTiming, ScoredBatch, concat_batches
 
 __all__ = ["SAMPLER_BACKENDS", "HFSampler", "RolloutBatch", "RolloutTiming", "Sampler", "ScoredBatch", "concat_batches", "SamplerConfig", "build_sampler",
-           "decode_responses", "filtered_logprobs", "sample_from_logprobs"]
+           "decode_responses", "filtered_logprobs", "sample_from_logprobs", "truncation_rule"]

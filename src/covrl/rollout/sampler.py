@@ -38,6 +38,7 @@ from typing import Literal, Protocol
 import torch
 from pydantic import Field, field_validator, model_validator
 
+from covrl.math.truncation import TruncationRule, kept_mask, truncate_logits
 from covrl.models.compiled import CompileBackend, compile_decode_step, compile_seconds, compiled_graphs
 from covrl.models.forward import cache_argument, output_cache, static_cache_from
 from covrl.models.loading import lora_merge_plan, merge_lora_state_dict, pad_and_stop_ids
@@ -57,6 +58,8 @@ class SamplerConfig(Section):
     temperature: float = Field(1.0, gt=0.0, le=100.0, description="softmax temperature of the sampler")
     top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus filter: keep the smallest set with mass >= p")
     top_k: int = Field(0, ge=0, description="keep only the k most likely tokens (0 = off)")
+    min_p: float = Field(0.0, ge=0.0, le=1.0, description="keep the tokens with probability >= min_p x the most "
+                         "likely one's (0 = off)")
     max_new_tokens: int = Field(24, ge=1, le=65536, description="longest response in tokens")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="sampler weights dtype; None = the trainer model's dtype")
@@ -121,26 +124,23 @@ def _module_device(model) -> torch.device:
     return torch.device("cpu")
 
 
-def filtered_logprobs(logits: torch.Tensor, temperature: float = 1.0, top_k: int = 0,
-                      top_p: float = 1.0) -> torch.Tensor:
-    """log q for logits [..., V]: fp32 log_softmax of (logits / temperature) restricted to the top-k logits
-    (ties at the k-th kept) and then to the top-p nucleus (smallest sorted prefix with mass >= top_p; the
-    most likely token is always kept); -inf outside the kept set, renormalised inside it."""
+def truncation_rule(cfg: SamplerConfig) -> TruncationRule:
+    """The sampler's top-k / top-p / min-p as covrl.math's rule (the definition the trainer replays)."""
+    return TruncationRule(top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
+
+
+def filtered_logprobs(logits: torch.Tensor, temperature: float = 1.0, rule: TruncationRule | None = None
+                      ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(log q [..., V], kept-set size [...] or None without truncation) for logits [..., V]: fp32 log_softmax of
+    logits / temperature restricted to the kept set of `rule` (covrl.math.truncation: ties at the boundary
+    kept, the most likely token always kept), -inf outside it, renormalised inside it."""
     z = logits.float()
     if temperature != 1.0:
         z = z / temperature
-    vocab = z.shape[-1]
-    if 0 < top_k < vocab:
-        kth = torch.topk(z, top_k, dim=-1).values[..., -1:]
-        z = z.masked_fill(z < kth, float("-inf"))
-    if top_p < 1.0:
-        sorted_z, order = torch.sort(z, dim=-1, descending=True)
-        probs = torch.softmax(sorted_z, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
-        drop_sorted = mass_before >= top_p  # the first token has mass_before 0 and is always kept
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        z = z.masked_fill(drop, float("-inf"))
-    return torch.log_softmax(z, dim=-1)
+    if rule is None or not rule.active:
+        return torch.log_softmax(z, dim=-1), None
+    kept = kept_mask(z, 1.0, rule)
+    return torch.log_softmax(truncate_logits(z, kept), dim=-1), kept.sum(-1)
 
 
 def sample_from_logprobs(logq: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
@@ -320,6 +320,8 @@ class HFSampler:
         out_tokens = torch.full((B, cfg.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
         out_logq = torch.zeros((B, cfg.max_new_tokens), dtype=torch.float32, device=device)
         out_len = torch.zeros(B, dtype=torch.long, device=device)
+        rule = truncation_rule(cfg)
+        out_kept = torch.zeros((B, cfg.max_new_tokens), dtype=torch.long, device=device) if rule.active else None
         if K:
             out_topk_ids = torch.zeros((B, cfg.max_new_tokens, K), dtype=torch.long, device=device)
             out_topk_lp = torch.zeros((B, cfg.max_new_tokens, K), dtype=torch.float32, device=device)
@@ -333,10 +335,12 @@ class HFSampler:
         logits = out.logits[:, -1, :][expand]
         active = torch.arange(B, device=device)  # original row of each live batch entry
         for t in range(cfg.max_new_tokens):
-            logq = filtered_logprobs(logits, cfg.temperature, cfg.top_k, cfg.top_p)
+            logq, kept = filtered_logprobs(logits, cfg.temperature, rule)
             tok = logq.argmax(-1) if greedy else sample_from_logprobs(logq, generator)
             out_tokens[active, t] = tok
             out_logq[active, t] = logq.gather(-1, tok[:, None]).squeeze(-1)
+            if kept is not None:
+                out_kept[active, t] = kept
             out_len[active] = t + 1
             if K:
                 top = logq.topk(min(K, logq.shape[-1]), dim=-1)
@@ -351,6 +355,8 @@ class HFSampler:
             logits = decode.step(tok, keep)
         piece = {"tokens": out_tokens.cpu(), "logq": out_logq.cpu(), "length": out_len.cpu(),
                  "prefill_s": prefill_s}
+        if out_kept is not None and not greedy:
+            piece["kept"] = out_kept.cpu()
         if K:
             piece["topk_ids"], piece["topk_lp"] = out_topk_ids.cpu(), out_topk_lp.cpu()
         return piece
@@ -373,9 +379,12 @@ class HFSampler:
         if self.cfg.return_topk:
             topk_ids = torch.cat([p["topk_ids"][:, :T] for p in pieces])
             topk_lp = torch.cat([p["topk_lp"][:, :T] for p in pieces]) * response_mask[..., None]
+        kept = None
+        if all("kept" in p for p in pieces):
+            kept = torch.cat([p["kept"][:, :T] for p in pieces]) * response_mask.long()
         return RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
-            response_mask=response_mask, sampler_logprobs=logq,
+            response_mask=response_mask, sampler_logprobs=logq, sampler_kept=kept,
             group_ids=torch.arange(len(rows) // n).repeat_interleave(n),
             policy_version=torch.full((B,), version, dtype=torch.long),
             sampler_topk_ids=topk_ids, sampler_topk_logprobs=topk_lp,

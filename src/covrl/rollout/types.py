@@ -45,6 +45,8 @@ class RolloutBatch:
     group_ids        [B] long: rows with the same id answer the same prompt
     policy_version   [B] long: the trainer version whose weights generated each row
     sampler_topk_ids / sampler_topk_logprobs [B, T, K] (optional): the sampler's top-k for score centring
+    sampler_kept     [B, T] long (optional): size of the kept set each token was drawn from under top-k / top-p /
+                     min-p truncation (0 = the whole vocabulary), for the trainer's replay (docs/theory.md §12)
     prompt_index     [B] long (optional): position of the prompt in the task's data stream (exact resume)
     loss_mask        [B, T] float (optional, multi-turn episodes): 1 on the model's own tokens, 0 on environment /
                      tool-result tokens that sit inside the response as context (response_mask 1, no sampler
@@ -61,6 +63,7 @@ class RolloutBatch:
     policy_version: torch.Tensor
     sampler_topk_ids: torch.Tensor | None = None
     sampler_topk_logprobs: torch.Tensor | None = None
+    sampler_kept: torch.Tensor | None = None
     prompt_index: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
     timing: RolloutTiming = field(default_factory=RolloutTiming)
@@ -179,6 +182,7 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         "sampler_logprobs": torch.cat([_pad(b.sampler_logprobs, T) for b in batches]),
         "sampler_topk_ids": _cat_optional([b.sampler_topk_ids for b in batches], T),
         "sampler_topk_logprobs": _cat_optional([b.sampler_topk_logprobs for b in batches], T),
+        "sampler_kept": _cat_optional([b.sampler_kept for b in batches], T),
         "policy_version": torch.cat([b.policy_version for b in batches]),
         "prompt_index": _cat_optional([b.prompt_index for b in batches]),
         # single-turn chunks beside episodes: all their response tokens are the model's

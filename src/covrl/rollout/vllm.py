@@ -424,7 +424,8 @@ class VLLMSampler:
         cfg = self.cfg
         return self._vllm.SamplingParams(
             n=1, temperature=0.0 if greedy else cfg.temperature, top_p=1.0 if greedy else cfg.top_p,
-            top_k=0 if greedy or cfg.top_k == 0 else cfg.top_k, max_tokens=cfg.max_new_tokens,
+            top_k=0 if greedy or cfg.top_k == 0 else cfg.top_k, min_p=0.0 if greedy else cfg.min_p,
+            max_tokens=cfg.max_new_tokens,
             stop_token_ids=list(self.eos_ids), ignore_eos=False, logprobs=cfg.return_topk, detokenize=False,
             seed=seed)
 

@@ -21,6 +21,7 @@ from covrl.settings import ConfigError, Section, build_section, load_section
 from covrl.tasks import TaskConfig
 from covrl.train.asyncrl.config import AsyncLoopConfig
 from covrl.train.parallel.wrappers import TrainerConfig
+from covrl.train.run.alarm import SyncAlarmConfig
 from covrl.train.run.threads import check_num_threads
 from covrl.train.step.batch_scaling import BatchScalingConfig
 from covrl.train.step.lr_surge import LengthSurgeConfig
@@ -222,7 +223,7 @@ class LoggingConfig(Section):
 
 class TrainConfig(Section):
     """A whole training run. Sections: run, model, task, sampler, algorithm, correction, kl, optim, lr_surge,
-    loop, eval, checkpoint, sft_warmup, logging, async_loop, batch_scaling, trainer."""
+    loop, eval, checkpoint, sft_warmup, logging, async_loop, batch_scaling, trainer, sync_alarm."""
 
     run: RunConfig = Field(default_factory=RunConfig, description="name, seed, device, output folder")
     model: ModelConfig = Field(default_factory=ModelConfig, description="which model to train")
@@ -246,6 +247,8 @@ class TrainConfig(Section):
                                               description="scale optim.lr with the rollouts per step")
     trainer: TrainerConfig = Field(default_factory=TrainerConfig,
                                    description="data-parallel / sharded trainer on torch.distributed")
+    sync_alarm: SyncAlarmConfig = Field(default_factory=SyncAlarmConfig,
+                                        description="alarm when the sampler's weights stop matching the trainer's")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:

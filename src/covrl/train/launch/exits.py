@@ -3,7 +3,8 @@ every way it can end to an exit code and a final summary.json status (the exit t
 
     0 ok · 1 unexpected error (traceback kept) · 2 bad input · 3 diverged · 4 checkpoint write failed (disk full)
     5 a sampler worker died past its restart budget · 6 another rank of a distributed run died (set by
-    covrl.train.launch.ranks) · 130 interrupted (Ctrl-C) · 143 terminated (SIGTERM)
+    covrl.train.launch.ranks) · 7 the weight-sync alarm fired (sync_alarm.mode=raise) · 130 interrupted (Ctrl-C)
+    143 terminated (SIGTERM)
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from pathlib import Path
 from covrl.models import ModelNotFoundError
 from covrl.tasks import PromptTooLongError, RewardFunctionError
 from covrl.train.asyncrl.pools import SamplerWorkerError
+from covrl.train.run.alarm import SyncAlarmError
 from covrl.train.run.checkpoint import CheckpointError
 from covrl.train.run.folder import choose_run_dir, mark_summary
 from covrl.train.run.sources import DynamicSamplingError
@@ -110,6 +112,8 @@ def _outcome(err: BaseException, name: str, *, setup: bool) -> tuple[int | None,
         return 130, "interrupted", f"interrupted; resume with: {again}"
     if isinstance(err, TrainingDivergedError):
         return 3, "diverged", str(err)
+    if isinstance(err, SyncAlarmError):
+        return 7, "failed", f"{err}\nfix the cause, then resume with: {again}"
     if isinstance(err, SamplerWorkerError):
         user_error = _bad_input_behind(err)   # a reward or prompt error met by an async sampler worker
         if user_error is not None:

@@ -50,6 +50,12 @@ class TrainerConfig(Section):
                             "(the same with the LM head in fp32: logits not rounded to bf16). Also the KL "
                             "reference's forward; not the sampler, eval or SFT warm-up; docs/performance.md")
 
+    truncation: Literal["auto", "full", "replay"] = Field(
+        "auto", description="the trainer's distribution on rollouts of a truncating sampler (sampler.top_k / "
+                            "top_p / min_p): replay (π restricted to the sampler's kept set and renormalised: "
+                            "exact ratios, docs/theory.md §12), full (the full softmax: every ratio biased by "
+                            "the kept mass; warned at start-up), auto (replay when the sampler truncates)")
+
     compile: bool = Field(
         False, description="torch.compile (dynamic shapes) of the trainer's forward+backward; one process only "
                            "(trainer.parallel=none); runs the per-row pass (prompts not shared); the first steps pay "

@@ -66,6 +66,11 @@ def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) 
                 source.publish(run.model, trainer.version)
             sync_s = time.perf_counter() - t0
             record = step_record(run, sb.batch, result, step_s=time.perf_counter() - t_step, sync_s=sync_s)
+            if run.sync_alarm is not None:
+                alarm, warning = run.sync_alarm.check(result.metrics, run.step)
+                record.update(alarm)
+                if warning:
+                    run.message(warning, warning=True)
             record.update(sb.metrics)
             record.update(source.step_metrics(result))
             if result.skip_reason:

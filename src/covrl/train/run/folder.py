@@ -31,6 +31,7 @@ from covrl.rollout import build_sampler
 from covrl.settings import dump_config
 from covrl.tasks import build_task
 from covrl.train.run import checkpoint as ckpt
+from covrl.train.run.alarm import SyncAlarm
 from covrl.train.run.evaluate import evaluate
 from covrl.train.run.plots import plot_curves
 from covrl.train.run.provenance import git_state, versions
@@ -127,6 +128,7 @@ class Run:
     resumed_sampler_version: int | None = None
     # the weights RL started from: their fingerprint and whether checkpoints/initial/ holds them (covrl diagnose)
     initial_weights: dict[str, Any] | None = None
+    sync_alarm: SyncAlarm | None = None   # the weight-sync alarm (covrl.train.run.alarm)
 
     # ------------------------------------------------------------------------------- checkpointer
     def register(self, name: str, part: Any) -> None:
@@ -144,10 +146,13 @@ class Run:
             s.write(record)
         self.metrics_lines += 1
 
-    def message(self, text: str) -> None:
+    def message(self, text: str, *, warning: bool = False) -> None:
+        """A line for the console; a `warning` goes to stderr when the run has no console."""
         consoles = [s for s in self.sinks if isinstance(s, ConsoleSink)]
         if consoles:
             consoles[0].message(text)
+        elif warning:
+            print(f"warning: {text}", file=sys.stderr)
 
     def add_time(self, key: str, seconds: float) -> None:
         self.timings[key] = self.timings.get(key, 0.0) + float(seconds)
@@ -500,6 +505,9 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     run.register("stream", stream)
     run.register("rng", _GeneratorState(generator))
     run.register("loop", _LoopCounters(run))
+    run.sync_alarm = SyncAlarm(cfg.sync_alarm, describe_engine=f"sampler.backend={cfg.sampler.backend}, "
+                                                               f"dtype {cfg.sampler.dtype or cfg.model.dtype}")
+    run.register("sync_alarm", run.sync_alarm)
     if latest is not None:
         run.last_ckpt_rollouts = trainer.rollouts
         truncate_jsonl(run_dir / "metrics.jsonl", run.metrics_lines)

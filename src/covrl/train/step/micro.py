@@ -52,6 +52,8 @@ def trim_columns(mb: RolloutBatch) -> RolloutBatch:
         upd["sampler_topk_ids"] = mb.sampler_topk_ids[:, :t]
     if mb.sampler_topk_logprobs is not None:
         upd["sampler_topk_logprobs"] = mb.sampler_topk_logprobs[:, :t]
+    if mb.sampler_kept is not None:
+        upd["sampler_kept"] = mb.sampler_kept[:, :t]
     if mb.loss_mask is not None:
         upd["loss_mask"] = mb.loss_mask[:, :t]
     return replace(mb, **upd)

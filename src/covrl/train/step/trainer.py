@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+import warnings
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -46,11 +47,13 @@ import torch
 
 from covrl.diagnostics.noise import GradientNoiseMonitor
 from covrl.diagnostics.tangent import tangent_remainder
-from covrl.math import constant_groups, kl_estimate
+from covrl.math import KL_ESTIMATORS, clamped_log_ratio, constant_groups, kl_estimate
+from covrl.math.truncation import TruncationRule
 from covrl.models.compiled import compile_module, compile_seconds
 from covrl.models.forward import ResponseForward
 from covrl.models.forward import forward_response as forward_response_tokens
 from covrl.models.precision import check_autocast
+from covrl.rollout import truncation_rule
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.faults import fault_point
 from covrl.train.parallel.wrappers import (
@@ -142,6 +145,7 @@ class _Accumulated:
     loss: float = 0.0
     metrics: dict[str, float] = field(default_factory=dict)
     norms: MicroNorms | None = None
+    truncation: dict[str, torch.Tensor] | None = None   # per token: log kept mass, count mismatch, drawn outside
     bad: str | None = None
     started: float = 0.0          # perf_counter() when the first micro-batch began (time/forward_backward)
     compile_s: float = 0.0        # of which torch.compile (trainer.compile)
@@ -149,13 +153,17 @@ class _Accumulated:
 
 def forward_response(model, batch: RolloutBatch, temperature: float, *, with_stats: bool = True,
                      topk_ids: torch.Tensor | None = None, share_prompts: bool = True,
-                     autocast: str = "none") -> ResponseForward:
+                     autocast: str = "none", truncation: TruncationRule | None = None,
+                     replay: bool = False) -> ResponseForward:
     """Trainer log-probs (and detached entropy / Σπ², optional top-k log-probs) of the response tokens of
     `batch` in one forward pass: covrl.models.forward.forward_response on the batch's tensors (`autocast`:
-    trainer.autocast; the log-probs are fp32 either way)."""
+    trainer.autocast; the log-probs are fp32 either way). `truncation`: the sampler's rule, whose kept sets
+    (the batch's `sampler_kept` sizes where the sampler recorded them) are measured, and with `replay`
+    applied (docs/theory.md §12)."""
     return forward_response_tokens(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                    batch.response_mask, temperature, with_stats=with_stats, topk_ids=topk_ids,
-                                   share_prompts=share_prompts, autocast=autocast)
+                                   share_prompts=share_prompts, autocast=autocast, truncation=truncation,
+                                   replay=replay, kept_counts=batch.sampler_kept)
 
 
 class Trainer:
@@ -188,11 +196,19 @@ class Trainer:
         self._pending_shards: str | None = None   # fsdp2 resume: a dcp/ folder, loaded once the model is sharded
         self._hooked: MicroNorms | None = None   # ddp: read by the comm hook during the synced backward
         self.temperature = float(cfg.sampler.temperature)
+        rule = truncation_rule(cfg.sampler)
+        self.truncation = rule if rule.active else None   # the sampler's kept sets: measured, and replayed unless
+        self.replay = self.truncation is not None and cfg.trainer.truncation != "full"   # trainer.truncation=full
+        if self.truncation is not None and not self.replay:
+            warnings.warn(f"sampler {rule} truncates and trainer.truncation=full: every ratio pi/q carries the "
+                          "kept mass S_t (E_q[pi/q] = S_t < 1), so IS weights, rejection and the mismatch metrics "
+                          "are biased; trainer.truncation=replay makes them exact (docs/theory.md §12)", stacklevel=2)
         check_autocast(cfg.trainer.autocast, self.params[0].device)   # warns where bf16 would be emulated
         self.rollouts = 0
         self.version = 0
         self.no_signal_steps = 0   # zero-gradient steps left out under optim.skip_zero_gradient
         self.bad_steps = 0
+        self._version_at_start = 0
         self._compiled: tuple[str, torch.nn.Module] | None = None   # (backend, torch.compile wrapper of the model)
 
     # ------------------------------------------------------------------------------------------ schedule
@@ -220,6 +236,7 @@ class Trainer:
         if self.cfg.trainer.parallel != "none" and self.parallel is None:
             self._distribute()
         t_start = time.perf_counter()
+        self._version_at_start = self.version
         batch = _to_device(batch, self.params[0].device)
         rows = len(batch)
         mask = batch.train_mask.float()   # model tokens only: the normaliser, corrections and metrics
@@ -288,7 +305,8 @@ class Trainer:
             mb = trim_columns(batch.select(idx))
             # the reference in the trainer's precision: at the start (policy = reference) their KL is exactly 0
             fwd = forward_response(self.ref_model, mb, self.temperature, with_stats=False,
-                                   share_prompts=self.cfg.optim.share_prompts, autocast=self.cfg.trainer.autocast)
+                                   share_prompts=self.cfg.optim.share_prompts, autocast=self.cfg.trainer.autocast,
+                                   truncation=self.truncation if self.replay else None, replay=self.replay)
             out[idx] = pad_cols(fwd.logprobs.float(), width)
         return out if own is None else self.parallel.all_reduce(out)
 
@@ -334,7 +352,8 @@ class Trainer:
             idx = torch.as_tensor([0] if chunk is None else chunk, dtype=torch.long, device=device)
             mb = trim_columns(batch.select(idx))
             fwd = forward_response(self.model, mb, self.temperature, share_prompts=self._share_prompts(),
-                                   autocast=self.cfg.trainer.autocast)
+                                   autocast=self.cfg.trainer.autocast, truncation=self.truncation if self.replay
+                                   else None, replay=self.replay)
             if chunk is not None:
                 lp[idx] = pad_cols(fwd.logprobs.float(), width)
                 sps[idx] = pad_cols(fwd.sum_pi_sq, width)
@@ -364,7 +383,9 @@ class Trainer:
             torch.zeros_like(full_lp), torch.zeros_like(full_lp) if alg.uses_is_weights else None,
             torch.zeros_like(full_lp))
         acc = _Accumulated(full_lp, torch.zeros_like(full_lp), torch.zeros_like(full_lp), pieces,
-                           norms=MicroNorms(self.params, alg.agg_mode) if plan.measure_noise else None)
+                           norms=MicroNorms(self.params, alg.agg_mode) if plan.measure_noise else None,
+                           truncation=None if self.truncation is None else {
+                               k: torch.zeros_like(full_lp) for k in _TRUNCATION_PIECES})
         fmodel = self.model if par is None else par.module
         share_prompts = self._share_prompts()
         compiling = cfg.trainer.compile
@@ -382,7 +403,8 @@ class Trainer:
             with contextlib.nullcontext() if par is None else par.gradient_sync(k == last):
                 fwd = forward_response(fmodel, mb, self.temperature, share_prompts=share_prompts,
                                        topk_ids=mb.sampler_topk_ids if alg.score_centering else None,
-                                       autocast=cfg.trainer.autocast)
+                                       autocast=cfg.trainer.autocast, truncation=self.truncation,
+                                       replay=self.replay)
                 t = mb.response_ids.shape[1]
                 mb_rewards = rewards[idx] if rewards.dim() == 1 else rewards[idx][:, :t]
                 if prepass is None:
@@ -398,6 +420,11 @@ class Trainer:
                     acc.logprobs[idx] = pad_cols(fwd.logprobs.detach(), width)
                     acc.entropy[idx] = pad_cols(fwd.entropy, width)
                     acc.sum_pi_sq[idx] = pad_cols(fwd.sum_pi_sq, width)
+                    if acc.truncation is not None:
+                        for key, piece in zip(_TRUNCATION_PIECES, (fwd.truncation.log_kept_mass,
+                                                                   fwd.truncation.count_mismatch,
+                                                                   fwd.truncation.sampled_outside)):
+                            acc.truncation[key][idx] = pad_cols(piece.float(), width)
                 mb_ref = None if ref_lp is None else ref_lp[idx][:, :t]
                 loss, mb_metrics = self._micro_loss(mb, fwd, prep, mb_ref, idx, mask)
                 if idle:
@@ -469,7 +496,7 @@ class Trainer:
     def _reduce_over_ranks(self, acc: _Accumulated) -> None:
         """The full batch's pieces, loss and metrics from every rank's share; the noise split's norms of every
         rank's micro-batches."""
-        tensors = [acc.logprobs, acc.entropy, acc.sum_pi_sq]
+        tensors = [acc.logprobs, acc.entropy, acc.sum_pi_sq, *(acc.truncation or {}).values()]
         if acc.pieces is not None:
             tensors += [acc.pieces.advantages, acc.pieces.keep] + (
                 [] if acc.pieces.weights is None else [acc.pieces.weights])
@@ -510,6 +537,8 @@ class Trainer:
         metrics.update(acc.metrics)
         metrics.update(self._batch_diagnostics(batch, rewards, acc.logprobs, acc.entropy, acc.sum_pi_sq,
                                                acc.pieces, plan.prepass))
+        if acc.truncation is not None:
+            metrics.update(self._truncation_metrics(batch, acc.truncation))
         if self.noise is not None:
             norms = acc.norms
             metrics.update(self.noise.update(grad_norm_sq=grad_norm ** 2,
@@ -558,6 +587,27 @@ class Trainer:
                                         sum_pi_sq=sps, is_weights=weights).metrics)
         if self.cfg.logging.diagnostics:
             m.update(_tangent_metrics(lp, q, rewards, mask, batch.group_ids))
+        m.update(self._fresh_mismatch(batch, lp, q, mask))
+        return m
+
+    def _fresh_mismatch(self, batch: RolloutBatch, lp: torch.Tensor, q: torch.Tensor, mask: torch.Tensor
+                        ) -> dict[str, float]:
+        """Token k3 between the sampler and the trainer on the rows generated at the trainer's own version (the
+        weight-sync alarm's signal: at equal weights it is the engine floor)."""
+        fresh = (batch.policy_version.to(mask.device) == self._version_at_start).float()[:, None] * mask
+        k3 = KL_ESTIMATORS["k3"](clamped_log_ratio(lp, q))
+        return {"mismatch/fresh_k3": mean_over(k3, fresh), "mismatch/fresh_rows": float((fresh.sum(1) > 0).sum())}
+
+    def _truncation_metrics(self, batch: RolloutBatch, pieces: dict[str, torch.Tensor]) -> dict[str, float]:
+        """The kept sets of a truncating sampler, measured on the trainer's logits (docs/theory.md §12)."""
+        mask = batch.train_mask.float()
+        log_mass = pieces["log_kept_mass"] * mask
+        m = {"truncation/kept_mass_mean": mean_over(log_mass.exp(), mask),
+             "truncation/kl_term": float((-log_mass).sum(1).mean()),   # E_q[−Σ_t log S_t] of KL_seq(q‖π)
+             "truncation/sampled_outside_frac": mean_over(pieces["sampled_outside"], mask),
+             "truncation/replay": float(self.replay)}
+        if batch.sampler_kept is not None:
+            m["truncation/count_mismatch_frac"] = mean_over(pieces["count_mismatch"], mask)
         return m
 
     # ------------------------------------------------------------------------------------------ helpers
@@ -722,6 +772,7 @@ def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     return replace(batch, **{k: (v.clone() if v.is_inference() else v).to(device) for k, v in fields.items()})
 
 
+_TRUNCATION_PIECES = ("log_kept_mass", "count_mismatch", "sampled_outside")
 _TANGENT_KEYS = ("tangent", "remainder", "gain", "kl_seq", "bound", "bound_ratio")
 
 
