@@ -23,6 +23,17 @@ class Example:
     def plain_prompt(self) -> str:
         return self.meta.get("plain_prompt", self.prompt)
 
+    def __getitem__(self, key: str):
+        """`example["answer"]`, `example["prompt"]` and a data row's other fields (`meta`), as TRL-style code
+        reads a dataset row."""
+        if key in ("prompt", "answer"):
+            return getattr(self, key)
+        if key in self.meta:
+            return self.meta[key]
+        raise KeyError(f"{key!r}: this example has 'prompt', 'answer'"
+                       + (", " + ", ".join(repr(k) for k in self.meta) if self.meta else "")
+                       + " (covrl's Example: example.answer, example.prompt, example.meta)")
+
 
 @dataclass
 class RewardOutput:

@@ -179,6 +179,12 @@ class TaskConfig(Section):
                                                       "zero: stop the run (exit 2, the function's traceback "
                                                       "shown) after this many batches in a row on which a reward "
                                                       "function failed for every completion; None = never stop")
+    max_reward_error_rate: float | None = Field(
+        0.5, ge=0.0, lt=1.0, description="with reward_errors=zero: stop the run (exit 2, the first failure's "
+                                         "traceback shown) when more than this fraction of a reward function's "
+                                         "last task.reward_error_window completions failed; None = never")
+    reward_error_window: int = Field(64, ge=1, le=1_000_000, description="completions over which "
+                                                                        "task.max_reward_error_rate is measured")
 
     @field_validator("name")
     @classmethod

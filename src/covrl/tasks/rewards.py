@@ -34,8 +34,10 @@ import inspect
 import math
 import queue
 import re
+import sys
 import threading
 import traceback
+from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -328,6 +330,21 @@ class _ProcessWorker:
         self.conn.close()
 
 
+def _print_err(text: str) -> None:
+    print(f"warning: {text}", file=sys.stderr, flush=True)
+
+
+def _hint(err: Exception) -> str:
+    """The likely cause of an error on covrl's Example (code written for another library's rows)."""
+    text = str(err)
+    if "Example" in text and ("subscriptable" in text or "attribute" in text):
+        return (" -- the example is covrl's Example: example.answer, example.prompt, example['field'] for the "
+                "data row's other fields")
+    if isinstance(err, KeyError) and "covrl's Example" in text:
+        return " -- a field the data rows do not have"
+    return ""
+
+
 class RewardRunner:
     """Calls a reward function on a batch with exception isolation and an optional per-call timeout.
 
@@ -340,7 +357,8 @@ class RewardRunner:
 
     def __init__(self, fn: RewardFn, *, name: str, timeout_s: float | None, on_error: str, isolate: bool,
                  process_spec: str | None = None, signature: str = "covrl", answer_field: str = "answer",
-                 max_consecutive_errors: int | None = None):
+                 max_consecutive_errors: int | None = None, error_window: int = 64,
+                 max_error_rate: float | None = 0.5, report=None):
         if on_error not in ("zero", "raise"):
             raise ValueError(f"task.reward_errors={on_error!r}; allowed: 'zero', 'raise'")
         if signature not in ("covrl", "trl"):
@@ -349,6 +367,11 @@ class RewardRunner:
         self.signature, self.answer_field = signature, answer_field
         self.max_consecutive_errors = max_consecutive_errors
         self.consecutive_failed_batches = 0
+        # the error rate over the last `error_window` completions; the first failure is shown at once
+        self.max_error_rate = max_error_rate
+        self.recent: deque[bool] = deque(maxlen=error_window)
+        self.first_error: str | None = None
+        self.report = report if report is not None else _print_err
         self.timeout_s = timeout_s if (timeout_s and isolate) else None
         self._worker: _Worker | None = None
         # process isolation: the user function runs in a spawned process loaded from this spec
@@ -407,6 +430,7 @@ class RewardRunner:
             rewards, errors, timeouts, last = self._call_batch(completions, examples)
         else:
             rewards, errors, timeouts, last = self._call_rows(completions, examples)
+        self._watch_rate(len(completions), errors)
         if completions and errors == len(completions):
             self.consecutive_failed_batches += 1
             limit = self.max_consecutive_errors
@@ -419,7 +443,25 @@ class RewardRunner:
             self.consecutive_failed_batches = 0
         return rewards, errors, timeouts
 
+    def _watch_rate(self, calls: int, errors: int) -> None:
+        """Stop when more than `max_error_rate` of the last `error_window` completions failed."""
+        self.recent.extend([True] * errors + [False] * (calls - errors))
+        full = len(self.recent) == self.recent.maxlen
+        rate = sum(self.recent) / max(len(self.recent), 1)
+        if self.max_error_rate is not None and full and rate > self.max_error_rate:
+            raise RewardFunctionError(
+                f"reward function {self.name} failed on {rate:.0%} of its last {len(self.recent)} completions "
+                f"(task.max_reward_error_rate={self.max_error_rate:g} over task.reward_error_window="
+                f"{self.recent.maxlen}); the run stops instead of training on zeros. Its first error:\n"
+                f"{self.first_error}")
+
     def _failed(self, err: Exception, where: str, prompt: str) -> None:
+        if self.first_error is None:   # shown once, at once; later failures are counted (task/errors)
+            self.first_error = (f"reward function {self.name} failed on {where} (prompt {prompt[:80]!r}): "
+                                f"{type(err).__name__}: {err}{_hint(err)}\n{_format_error(err)}")
+            self.report(f"{self.first_error}\n(the first failure: later ones count in task/errors; the run stops "
+                        f"when more than {self.max_error_rate:.0%} of {self.recent.maxlen} completions in a row "
+                        "fail)" if self.max_error_rate is not None else self.first_error)
         if self.on_error == "raise":
             raise RewardFunctionError(
                 f"reward function {self.name} failed on {where} (prompt {prompt[:80]!r}): "

@@ -69,7 +69,8 @@ class Task:
         return RewardRunner(fn, name=name, timeout_s=cfg.reward_timeout_s, on_error=cfg.reward_errors, isolate=isolate,
                             process_spec=process_spec,
                             signature=signature, answer_field=cfg.answer_field,
-                            max_consecutive_errors=cfg.max_consecutive_reward_errors)
+                            max_consecutive_errors=cfg.max_consecutive_reward_errors,
+                            error_window=cfg.reward_error_window, max_error_rate=cfg.max_reward_error_rate)
 
     def __repr__(self) -> str:
         return (f"Task({self.name!r}, train={len(self.train)}, eval={len(self.eval)}, "

@@ -40,7 +40,22 @@ def step_record(run: Run, batch: ScoredBatch, result: StepResult, *, step_s: flo
     })
     if run.cfg.sampler.compile:   # the torch.compile seconds inside time/generate (0 once its shapes are compiled)
         record["time/sampler_compile_s"] = batch.timing.compile_s
+    if batch.loss_mask is None and len(batch):   # single turns: responses the token budget cut
+        lengths = batch.response_mask.sum(1)
+        record["response/at_max_frac"] = float((lengths >= run.cfg.sampler.max_new_tokens).float().mean())
     return record
+
+
+AT_MAX_WARNING = 0.5   # warn once when this fraction of a step's responses ends at sampler.max_new_tokens
+
+
+def _warn_cut_answers(run: Run, record: dict[str, Any]) -> None:
+    frac = record.get("response/at_max_frac", 0.0)
+    if frac >= AT_MAX_WARNING and not run.warned_cut and run.step >= 2:
+        run.warned_cut = True
+        run.message(f"step {run.step}: {frac:.0%} of the responses end at sampler.max_new_tokens="
+                    f"{run.cfg.sampler.max_new_tokens}: answers are likely cut before they finish; raise "
+                    "sampler.max_new_tokens (response/at_max_frac in metrics.jsonl)", warning=True)
 
 
 def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) -> dict[str, Any]:
@@ -73,6 +88,7 @@ def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) 
                     run.message(warning, warning=True)
             record.update(sb.metrics)
             record.update(source.step_metrics(result))
+            _warn_cut_answers(run, record)
             if result.skip_reason:
                 record["skip_reason"] = result.skip_reason
                 run.message(f"step {run.step}: skipped ({result.skip_reason})")

@@ -129,6 +129,7 @@ class Run:
     # the weights RL started from: their fingerprint and whether checkpoints/initial/ holds them (covrl diagnose)
     initial_weights: dict[str, Any] | None = None
     sync_alarm: SyncAlarm | None = None   # the weight-sync alarm (covrl.train.run.alarm)
+    warned_cut: bool = False   # the warning that most responses hit sampler.max_new_tokens was printed
 
     # ------------------------------------------------------------------------------- checkpointer
     def register(self, name: str, part: Any) -> None:
@@ -205,8 +206,8 @@ class Run:
     def summary(self) -> dict[str, Any]:
         records = read_jsonl(self.run_dir / "metrics.jsonl")
         tail = records[-5:]
-        keys = ("reward/mean", "accuracy", "pass@n", "response/length_mean", "entropy", "grad_norm",
-                "mismatch/k3", "tangent", "kl_seq", "lr")
+        keys = ("reward/mean", "accuracy", "pass@n", "response/length_mean", "response/at_max_frac", "entropy",
+                "grad_norm", "mismatch/k3", "tangent", "kl_seq", "lr", "task/errors")
         final = {k: sum(r[k] for r in tail if isinstance(r.get(k), (int, float))) /
                  max(1, sum(1 for r in tail if isinstance(r.get(k), (int, float))))
                  for k in keys if any(isinstance(r.get(k), (int, float)) for r in tail)}
@@ -236,6 +237,9 @@ class Run:
             "train_time_split_s": split,
             "eval_before": brief(before), "eval_after": brief(after),
             "final_metrics_last5": final, "sft": self.sft_metrics or None,
+            # what a run's rewards and budget did to it, over all its steps
+            "reward_error_frac": _mean_of(records, "task/errors", per="batch_rows"),
+            "response_at_max_frac": _mean_of(records, "response/at_max_frac"),
             "versions": versions(), "git": git_state(), "seed": self.cfg.run.seed,
             # results depend on the thread count (float summation order): part of what reproduces a run
             "torch_threads": torch.get_num_threads(),
@@ -313,6 +317,13 @@ class _LoopCounters:
         run.metrics_lines = int(state["metrics_lines"])
         run.last_eval_rollouts = int(state.get("last_eval_rollouts", run.trainer.rollouts))
         run.resumed_sampler_version = int(state.get("sampler_version", run.trainer.version))
+
+
+def _mean_of(records: list[dict], key: str, per: str | None = None) -> float | None:
+    """The mean of `key` over the records that have it (divided by `per` first), or None."""
+    values = [r[key] / max(r.get(per, 1.0), 1.0) if per else r[key] for r in records
+              if isinstance(r.get(key), (int, float))]
+    return sum(values) / len(values) if values else None
 
 
 def mark_summary(run_dir: Path, status: str, *, reason: str | None = None, exit_code: int | None = None) -> None:

@@ -89,6 +89,11 @@ def format_console(record: dict[str, Any], keys=None) -> str:
         v = record.get(key)
         if isinstance(v, (int, float)):
             parts.append(f"{label} {fmt.format(v)}")
+    errors, rows = record.get("task/errors"), record.get("batch_rows")
+    if errors and rows:   # a user reward failing: the progress line says how often
+        parts.append(f"reward errors {errors / rows:.0%}")
+    if record.get("response/at_max_frac", 0.0) >= 0.25:   # answers cut by the token budget
+        parts.append(f"cut {record['response/at_max_frac']:.0%}")
     if record.get("skipped"):
         parts.append(f"SKIPPED: {record.get('skip_reason', '')}")
     return "  ".join(parts)
