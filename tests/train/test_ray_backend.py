@@ -128,3 +128,21 @@ def test_ray_backend_runs_episodes(tmp_path, local_ray):
     records = read_jsonl(run.run_dir / "metrics.jsonl")
     assert all("task/turns" in r for r in records)
     assert comparable(records) == comparable(read_jsonl(sync_run.run_dir / "metrics.jsonl"))
+
+
+def test_actors_that_do_not_fit_the_cluster_are_refused_with_the_numbers(tmp_path, capsys):
+    """The README's 2-rank Ray command on a 2-CPU machine: 2 trainer actors + 1 sampler actor at 1 CPU each need
+    3 CPUs; Ray would wait for ever. covrl refuses at once (exit 2) and says what to change."""
+    from covrl.train.launch.ray import resource_shortfall, train_from_config_ray
+
+    cfg = train_helpers.tiny_cfg(tmp_path, **{"loop.mode": "ray", "trainer.parallel": "ddp",
+                                              "trainer.world_size": 2, "async_loop.ray_temp_dir": str(tmp_path)})
+    text = resource_shortfall(cfg, {"CPU": 2.0})
+    assert "3 CPU needed, 2 in the cluster" in text and "Lower async_loop.trainer_cpus / sampler_cpus" in text
+    fits = cfg.model_copy(update={"async_loop": cfg.async_loop.model_copy(update={"trainer_cpus": 0.5,
+                                                                                   "sampler_cpus": 0.5})})
+    assert resource_shortfall(fits, {"CPU": 2.0}) is None
+    assert resource_shortfall(cfg, {"CPU": 8.0, "GPU": 0.0}) is None
+    with train_helpers.local_ray(tmp_path):
+        assert train_from_config_ray(cfg) == 2
+    assert "the actors do not fit" in capsys.readouterr().err

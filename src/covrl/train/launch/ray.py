@@ -98,6 +98,25 @@ def _train_group(ray, cfg, config_path: str | None, resume: bool) -> int:
             ray.kill(a)
 
 
+def resource_shortfall(cfg, resources: dict) -> str | None:
+    """Why the run's actors cannot all be placed on a cluster with `resources` (ray.cluster_resources()), with
+    the numbers and the options that change them; None when they fit (in total: a necessary condition)."""
+    acfg = cfg.async_loop
+    trainers = (cfg.trainer.world_size or 1) if cfg.trainer.parallel != "none" else int(acfg.trainer_actor)
+    need = {"CPU": trainers * acfg.trainer_cpus + acfg.num_samplers * acfg.sampler_cpus,
+            "GPU": trainers * acfg.trainer_gpus + acfg.num_samplers * acfg.sampler_gpus}
+    short = {k: v for k, v in need.items() if v > float(resources.get(k, 0.0)) + 1e-9}
+    if not short:
+        return None
+    parts = ", ".join(f"{v:g} {k} needed, {float(resources.get(k, 0.0)):g} in the cluster" for k, v in short.items())
+    return (f"loop.mode=ray: the actors do not fit ({parts}): {trainers} trainer actor(s) x "
+            f"async_loop.trainer_cpus={acfg.trainer_cpus:g} (+ trainer_gpus={acfg.trainer_gpus:g}) and "
+            f"async_loop.num_samplers={acfg.num_samplers} x sampler_cpus={acfg.sampler_cpus:g} (+ sampler_gpus="
+            f"{acfg.sampler_gpus:g}); Ray would wait for ever to place them. Lower async_loop.trainer_cpus / "
+            "sampler_cpus (e.g. 0.5: actors share a core), run fewer samplers or trainer ranks "
+            "(trainer.world_size), or join a larger cluster (async_loop.ray_address)")
+
+
 def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int:
     """`covrl train` with loop.mode=ray: join or start Ray, then the trainer side (covrl.train.launch.exits.run_training,
     with the same exit codes and final summary.json statuses as the local loops) in this process or, with
@@ -111,6 +130,10 @@ def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int
     acfg = cfg.async_loop
     started = ensure_ray(acfg)
     try:
+        shortfall = resource_shortfall(cfg, ray.cluster_resources())
+        if shortfall is not None:   # Ray would wait for ever to place what does not fit
+            print_err(shortfall)
+            return 2
         if cfg.trainer.parallel != "none":
             return _train_group(ray, cfg, None if config_path is None else str(config_path), resume)
         if acfg.trainer_actor:
