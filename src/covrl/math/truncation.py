@@ -57,12 +57,21 @@ def _rule_threshold(u: torch.Tensor, rule: TruncationRule) -> torch.Tensor:
     if 0 < rule.top_k < vocab:
         thr = torch.topk(u, rule.top_k, dim=-1).values[..., -1:]
     if rule.top_p < 1.0:
-        sorted_u = torch.sort(u.masked_fill(u < thr, -math.inf), dim=-1, descending=True).values
-        probs = torch.softmax(sorted_u, dim=-1)
-        mass_before = torch.cumsum(probs, dim=-1) - probs
+        masked = u.masked_fill(u < thr, -math.inf)
+        lse = torch.logsumexp(masked, dim=-1, keepdim=True)
+        # the largest values in order, as many as it takes to cover the mass p on every row (a top-k of a few
+        # hundred is much cheaper than sorting the vocabulary)
+        k = min(vocab, rule.top_k or vocab, 64)
+        while True:
+            top = torch.topk(masked, k, dim=-1).values
+            probs = torch.exp(top - lse)
+            cum = torch.cumsum(probs, dim=-1)
+            if k >= min(vocab, rule.top_k or vocab) or bool((cum[..., -1] >= rule.top_p).all()):
+                break
+            k = min(vocab, rule.top_k or vocab, 4 * k)
         # the most likely token has mass_before 0 and is always kept; count = the shortest prefix reaching p
-        count = (mass_before < rule.top_p).sum(-1, keepdim=True).clamp(min=1)
-        thr = torch.maximum(thr, sorted_u.gather(-1, count - 1))
+        count = ((cum - probs) < rule.top_p).sum(-1, keepdim=True).clamp(min=1)
+        thr = torch.maximum(thr, top.gather(-1, count - 1))
     if rule.min_p > 0.0:
         thr = torch.maximum(thr, u.amax(-1, keepdim=True) + math.log(rule.min_p))
     return thr
