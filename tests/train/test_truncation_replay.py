@@ -63,3 +63,17 @@ def test_replay_makes_the_ratio_exact_and_the_full_softmax_reports_the_kept_mass
 def test_without_truncation_nothing_changes(tmp_path):
     records = _run(tmp_path, "plain", **{"sampler.top_p": 1.0, "sampler.top_k": 0})
     assert not any(k.startswith("truncation/") for k in records[0])
+
+
+def test_the_async_loop_replays_too_and_its_floor_probe_scores_the_kept_sets(tmp_path):
+    """The async loop at staleness 0 (a sampler thread with its own copy of the weights): ratios exact on the
+    sampler's kept sets, and the engine-floor probe measures the same distribution (0, not the kept mass)."""
+    from covrl.train import AsyncLoopConfig, prepare_async_run, train_async
+
+    cfg = tiny_cfg(tmp_path, **{"run.name": "async", **TRUNCATE, "sampler.share_weights": "never"})
+    run = prepare_async_run(cfg, console=False)
+    summary = train_async(run, acfg=AsyncLoopConfig(max_staleness_steps=0, floor_probe_every=1))
+    run.close()
+    records = read_jsonl(tmp_path / "async" / "metrics.jsonl")
+    assert all(abs(r["loss/ratio_mean"] - 1.0) < 1e-5 and r["truncation/replay"] == 1.0 for r in records)
+    assert summary["async"]["floor_kl_seq"] < 1e-8 and summary["async"]["floor_probes"] >= 1

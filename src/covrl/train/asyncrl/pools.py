@@ -22,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from covrl.math import KL_ESTIMATORS, clamped_log_ratio
+from covrl.rollout import truncation_rule
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.asyncrl.config import AsyncLoopConfig
 from covrl.train.asyncrl.staleness import Chunk, StalenessManager, TakeResult
@@ -139,11 +140,15 @@ def clone_weights(model) -> dict[str, torch.Tensor]:
     return {k: v.detach().clone() for k, v in weights.items()}
 
 
-def floor_probe(reference_model, batch: RolloutBatch, temperature: float) -> float:
+def floor_probe(reference_model, batch: RolloutBatch, cfg) -> float:
     """Engine floor on one generated chunk: kl_seq = mean_b Σ_t k3(ρ_t), ρ_t = p_ref(y_t)/q(y_t), where p_ref is an
-    fp32 forward at the weights that generated the chunk and q the sampler's log-probs (docs/theory.md §5, §9)."""
+    fp32 forward at the weights that generated the chunk (on the sampler's kept sets, as the trainer scores them
+    under trainer.truncation) and q the sampler's log-probs (docs/theory.md §5, §9, §12). `cfg`: the run's."""
+    rule = truncation_rule(cfg.sampler)
+    replay = rule.active and cfg.trainer.truncation != "full"
     with torch.no_grad():
-        fwd = forward_response(reference_model, batch, temperature, with_stats=False)
+        fwd = forward_response(reference_model, batch, float(cfg.sampler.temperature), with_stats=False,
+                               truncation=rule if replay else None, replay=replay)
     mask = batch.train_mask.float()   # the model's tokens: an episode's environment tokens have no sampler log-prob
     k3 = KL_ESTIMATORS["k3"](clamped_log_ratio(fwd.logprobs, batch.sampler_logprobs)) * mask
     return float(k3.sum(1).mean())
@@ -235,7 +240,7 @@ class _LocalWorkerMixin:
         weights = self._probe_weights
         if weights is not None:
             ref.load_state_dict(weights, strict=True)
-        st.record_floor(floor_probe(ref, batch, float(run.cfg.sampler.temperature)))
+        st.record_floor(floor_probe(ref, batch, run.cfg))
 
     _probe_weights: dict | None = None
 

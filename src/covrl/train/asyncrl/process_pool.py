@@ -84,7 +84,7 @@ class SamplerWorker:
             if self._reference is None:      # the trainer's dtype, for the engine-floor probe
                 self._reference = load_model(self.cfg.model, seed=self.cfg.run.seed)[0].eval()
             self._reference.load_state_dict(weights, strict=True)
-            floor = floor_probe(self._reference, batch, float(self.cfg.sampler.temperature))
+            floor = floor_probe(self._reference, batch, self.cfg)
         return {"batch": batch, "rng_after": self.generator.get_state(), "busy_s": time.perf_counter() - t0,
                 "floor": floor, "pid": os.getpid()}
 
