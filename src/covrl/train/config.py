@@ -151,6 +151,18 @@ class KLConfig(Section):
     straight_through: bool = Field(False, description="straight-through gradient of the estimator (loss mode)")
 
 
+class DistillConfig(Section):
+    """On-policy distillation: the student samples, a frozen teacher scores the drawn tokens, and the per-token
+    reverse KL is the learning signal: A_t = coef·(log p_teacher(y_t) − log π(y_t)) + reward_weight·A_task_t."""
+
+    teacher: ModelConfig | None = Field(None, description="the frozen teacher (a model section: source, path, "
+                                                          "dtype); None = no distillation. Its tokenizer must be "
+                                                          "the student's")
+    coef: float = Field(1.0, gt=0, description="weight of the per-token reverse-KL signal")
+    reward_weight: float = Field(0.0, ge=0, description="weight of the task's advantages mixed in (0: pure "
+                                                        "distillation; the rewards are still scored and logged)")
+
+
 class LoopConfig(Section):
     mode: Literal["sync", "async", "ray"] = Field(
         "sync", description="orchestration: sync (generate, then train), async (sampler thread beside the "
@@ -223,7 +235,7 @@ class LoggingConfig(Section):
 
 class TrainConfig(Section):
     """A whole training run. Sections: run, model, task, sampler, algorithm, correction, kl, optim, lr_surge,
-    loop, eval, checkpoint, sft_warmup, logging, async_loop, batch_scaling, trainer, sync_alarm."""
+    loop, eval, checkpoint, sft_warmup, logging, async_loop, batch_scaling, trainer, sync_alarm, distill."""
 
     run: RunConfig = Field(default_factory=RunConfig, description="name, seed, device, output folder")
     model: ModelConfig = Field(default_factory=ModelConfig, description="which model to train")
@@ -233,6 +245,8 @@ class TrainConfig(Section):
     correction: CorrectionConfig = Field(default_factory=CorrectionConfig,
                                          description="rollout correction (IS weights, rejection)")
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty to the reference model")
+    distill: DistillConfig = Field(default_factory=DistillConfig,
+                                   description="on-policy distillation from a frozen teacher")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and lr schedule")
     lr_surge: LengthSurgeConfig = Field(default_factory=LengthSurgeConfig,
                                         description="length-surge lr decay (docs/theory.md §8)")

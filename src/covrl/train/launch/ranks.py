@@ -27,7 +27,7 @@ import torch.distributed as dist
 from covrl.models import frozen_copy, load_model
 from covrl.train.launch.exits import run_training
 from covrl.train.parallel.wrappers import Channel, init_process_group
-from covrl.train.run.folder import mark_summary, resolve_device, seed_everything
+from covrl.train.run.folder import build_teacher, mark_summary, resolve_device, seed_everything
 from covrl.train.run.threads import apply_num_threads
 from covrl.train.step.trainer import Trainer, TrainingDivergedError
 
@@ -111,10 +111,11 @@ def follow(cfg, channel: Channel) -> int:
         if kind == "stop":
             return int(payload)
         if kind == "start":
-            model, _ = load_model(cfg.model, seed=cfg.run.seed)
+            model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)
             model.to(resolve_device(cfg.run.device))
             # a KL reference: a replica, filled with rank 0's reference at the first step (Trainer._distribute)
-            trainer = Trainer(model, cfg, ref_model=frozen_copy(model) if cfg.kl.coef > 0 else None)
+            trainer = Trainer(model, cfg, ref_model=frozen_copy(model) if cfg.kl.coef > 0 else None,
+                              teacher=build_teacher(cfg, tokenizer, model.device))
             trainer.load_state_dict(payload)
         elif kind == "gather":
             trainer.full_weights()

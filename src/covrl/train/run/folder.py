@@ -404,6 +404,19 @@ def _recorded_initial_weights(run_dir: Path) -> dict[str, Any] | None:
         return None
 
 
+def build_teacher(cfg: TrainConfig, tokenizer, device):
+    """The frozen distillation teacher of `distill.teacher` (None without), on `device`. A teacher must use the
+    student's tokenizer: the signal compares log-probs of the same token ids."""
+    if cfg.distill.teacher is None:
+        return None
+    teacher, teacher_tok = load_model(cfg.distill.teacher, seed=cfg.run.seed)
+    if teacher_tok.get_vocab() != tokenizer.get_vocab():
+        raise ValueError(f"distill.teacher ({cfg.distill.teacher.source} {cfg.distill.teacher.path or ''}) has "
+                         "another tokenizer than the student: on-policy distillation compares the log-probs of the "
+                         "same token ids, so teacher and student must share one vocabulary")
+    return frozen_copy(teacher.to(device))
+
+
 def rebuild_initial_model(cfg: TrainConfig):
     """(model, tokenizer) with the weights a fresh run of `cfg` starts RL from, built as prepare_run builds them:
     the run's threads and seed, the model of `model`, the supervised warm-up of `sft_warmup`. Deterministic at
@@ -496,7 +509,7 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
                    "saved": (run_dir / "checkpoints" / "initial" / ckpt.MODEL_DIR).is_dir()}
     del weights
 
-    trainer = Trainer(model, cfg, ref_model=ref_model)
+    trainer = Trainer(model, cfg, ref_model=ref_model, teacher=build_teacher(cfg, tokenizer, device))
     sampler = (build_sampler_fn or build_sampler)(cfg.sampler, model, tokenizer)
     run = Run(cfg=cfg, run_dir=run_dir, model=model, tokenizer=tokenizer, task=task, sampler=sampler,
               trainer=trainer, stream=stream, generator=generator, ref_model=ref_model, sft_metrics=sft_metrics,

@@ -174,11 +174,14 @@ class Trainer:
     schedule, the noise monitor and these counters.
     """
 
-    def __init__(self, model, cfg: TrainConfig, ref_model=None):
+    def __init__(self, model, cfg: TrainConfig, ref_model=None, teacher=None):
         self.model = model
         self.cfg = cfg
         self.algorithm: Algorithm = bind_algorithm(cfg)
         self.ref_model = ref_model
+        self.teacher = teacher   # on-policy distillation (distill.teacher): frozen, scores the drawn tokens
+        if cfg.distill.teacher is not None and teacher is None:
+            raise ValueError("distill.teacher is set: pass the loaded teacher (Trainer(..., teacher=...))")
         if cfg.kl.coef > 0 and ref_model is None:
             raise ValueError("kl.coef > 0 needs a reference model (Trainer(model, cfg, ref_model=frozen_copy(model)))")
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -249,8 +252,9 @@ class Trainer:
             return self._skip(metrics, "empty generations: the batch holds no response tokens", t_start)
         own = None if self.parallel is None else shard_rows(batch.group_ids, self.parallel.world, self.parallel.rank)
         rewards, ref_lp = self._reference(batch, own, metrics)
+        teacher_lp = None if self.teacher is None else self._reference_logprobs(batch, own, self.teacher)
         plan = self._plan(batch, rewards, own)
-        acc = self._accumulate(batch, rewards, ref_lp, plan)
+        acc = self._accumulate(batch, rewards, ref_lp, plan, teacher_lp)
         if acc.bad is not None:
             self.optimizer.zero_grad(set_to_none=True)
             return self._skip(metrics, acc.bad, t_start)
@@ -262,6 +266,8 @@ class Trainer:
         if self.cfg.trainer.compile:   # included in time/forward_backward; apart so that later steps read honestly
             metrics["time/compile_s"] = acc.compile_s
         self._metrics(metrics, batch, rewards, acc, plan, grad_norm, no_signal)
+        if teacher_lp is not None:
+            metrics.update(_distill_metrics(acc.logprobs, teacher_lp, batch.train_mask.float()))
         metrics.update({"time/forward_backward": t_opt - acc.started, "time/optimizer": t_end - t_opt,
                         "time/trainer_step": t_end - t_start,
                         "train_tokens_per_s": float(mask.sum()) / max(t_end - t_start, 1e-9)})
@@ -291,10 +297,12 @@ class Trainer:
         return rewards, ref_lp
 
     @torch.no_grad()
-    def _reference_logprobs(self, batch: RolloutBatch, own: list[int] | None = None) -> torch.Tensor:
-        """The frozen reference's log-probs of the full batch. Distributed (`own`: this rank's rows): each rank
-        forwards its shard through its replica of the reference and one all-reduce SUM assembles the full
-        batch's (the other rows are zeros: exact), which the reward-mode penalty and the metrics need."""
+    def _reference_logprobs(self, batch: RolloutBatch, own: list[int] | None = None, model=None) -> torch.Tensor:
+        """The log-probs of the full batch under a frozen model: the KL reference (default) or the distillation
+        teacher. Distributed (`own`: this rank's rows): each rank forwards its shard through its replica and one
+        all-reduce SUM assembles the full batch's (the other rows are zeros: exact), which the reward-mode
+        penalty and the metrics need."""
+        model = self.ref_model if model is None else model
         rows, width = batch.response_ids.shape
         out = torch.zeros((rows, width), dtype=torch.float32, device=batch.response_ids.device)
         mine = torch.arange(rows, device=out.device) if own is None else torch.as_tensor(own, dtype=torch.long,
@@ -304,7 +312,7 @@ class Trainer:
             idx = mine[s:s + size]
             mb = trim_columns(batch.select(idx))
             # the reference in the trainer's precision: at the start (policy = reference) their KL is exactly 0
-            fwd = forward_response(self.ref_model, mb, self.temperature, with_stats=False,
+            fwd = forward_response(model, mb, self.temperature, with_stats=False,
                                    share_prompts=self.cfg.optim.share_prompts, autocast=self.cfg.trainer.autocast,
                                    truncation=self.truncation if self.replay else None, replay=self.replay)
             out[idx] = pad_cols(fwd.logprobs.float(), width)
@@ -369,7 +377,7 @@ class Trainer:
 
     # ------------------------------------------------------------------------------- stage 3: accumulate
     def _accumulate(self, batch: RolloutBatch, rewards: torch.Tensor, ref_lp: torch.Tensor | None,
-                    plan: _Plan) -> _Accumulated:
+                    plan: _Plan, teacher_lp: torch.Tensor | None = None) -> _Accumulated:
         """Forward and backward every micro-batch; the gradient of the full-batch loss accumulates in .grad."""
         cfg, alg, par = self.cfg, self.algorithm, self.parallel
         rows, width = batch.response_ids.shape
@@ -426,6 +434,8 @@ class Trainer:
                                                                    fwd.truncation.sampled_outside)):
                             acc.truncation[key][idx] = pad_cols(piece.float(), width)
                 mb_ref = None if ref_lp is None else ref_lp[idx][:, :t]
+                if teacher_lp is not None:   # the learning signal of on-policy distillation, per token
+                    prep = self._distilled(prep, fwd, teacher_lp[idx][:, :t], mb.train_mask.float())
                 loss, mb_metrics = self._micro_loss(mb, fwd, prep, mb_ref, idx, mask)
                 if idle:
                     loss = loss * 0.0
@@ -466,6 +476,14 @@ class Trainer:
         adv = alg.advantages(rewards=rewards, mask=mask, group_ids=mb.group_ids, logprobs=lp,
                              sum_pi_sq=fwd.sum_pi_sq, is_weights=weights, with_metrics=False)
         return _Prepared(adv.advantages, weights, corr.keep)
+
+    def _distilled(self, prep: _Prepared, fwd: ResponseForward, teacher_lp: torch.Tensor, mask: torch.Tensor
+                   ) -> _Prepared:
+        """A_t = coef·(log p_teacher(y_t) − log π(y_t)) + reward_weight·A_task_t: minus the per-token reverse KL
+        to the teacher (no reward-to-go: each token answers for its own divergence), detached."""
+        d = self.cfg.distill
+        signal = d.coef * (teacher_lp - fwd.logprobs.detach()) * mask
+        return replace(prep, advantages=d.reward_weight * prep.advantages + signal)
 
     def _micro_loss(self, mb: RolloutBatch, fwd: ResponseForward, prep: _Prepared, ref_lp: torch.Tensor | None,
                     idx: torch.Tensor, full_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
@@ -770,6 +788,13 @@ def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     if all(v.device == device and not v.is_inference() for v in fields.values()):
         return batch
     return replace(batch, **{k: (v.clone() if v.is_inference() else v).to(device) for k, v in fields.items()})
+
+
+def _distill_metrics(lp: torch.Tensor, teacher_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:
+    """The student's reverse KL to the teacher on its own samples: per sequence (Σ_t log π − log p_T) and per token."""
+    d = (lp - teacher_lp) * mask
+    return {"distill/reverse_kl": float(d.sum(1).mean()), "distill/token_kl": mean_over(lp - teacher_lp, mask),
+            "distill/teacher_logprob": mean_over(teacher_lp, mask)}
 
 
 _TRUNCATION_PIECES = ("log_kept_mass", "count_mismatch", "sampled_outside")
