@@ -143,3 +143,9 @@ def test_rollout_quick_compile_alternates_eager_and_compiled(tmp_path, cache_dir
     assert c["padded_rows"] == 4 and c["cache_len"] % 64 == 0
     assert c["rows_identical"] == c["rows"] == 3 and c["logprob_max_diff"] < 1e-5
     assert c["decode_speedup"] > 0 and res["compile"]["graphs"] == 1
+
+
+def test_step_quick_packing_compares_padded_and_packed(tmp_path, cache_dir):
+    res = run_bench("step", tmp_path, cache_dir, "--packing", "--spread", "2,12", "--rows", "8")["packing"]
+    assert res["response_tokens"] < res["padded_tokens"] and res["logprob_max_diff"] < 1e-5
+    assert res["padded_s"] > 0 and res["packed_s"] > 0 and len(res["runs"]["packed"]) == len(res["runs"]["padded"])

@@ -49,6 +49,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     # measured every 2nd step: the ranks agree on which (the unmeasured step runs no gather collective)
     "noise-every": ({"logging.noise_scale": True, "logging.noise_scale_every": 2, "optim.micro_batch_size": 4,
                      "optim.max_grad_norm": None}, {}),
+    # sequence packing: each rank packs its shard's groups into token-budget micro-batches
+    "packing": ({"trainer.packing": True, "trainer.packing_tokens": 40}, {}),
 }
 NOISE_SAME_SPLIT = {"noise-micro", "noise-every"}   # cases whose noise/* metrics equal one process's
 

@@ -36,6 +36,7 @@ import argparse
 import functools
 import statistics
 import time
+from dataclasses import replace
 
 from covrl.bench.common import count_flops, measure_matmul_flops, write_bench
 from covrl.bench.models import DEFAULT_CACHE, cached_model
@@ -90,6 +91,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "sections), only (that comparison alone)")
     parser.add_argument("--compile-backend", default="inductor", choices=["inductor", "aot_eager", "eager"],
                         help="torch.compile backend of --compile (trainer.compile_backend)")
+    parser.add_argument("--packing", action="store_true",
+                        help="only: padded vs packed forward+backward (trainer.packing) on --rows rows whose "
+                             "responses spread over --spread tokens, alternating")
+    parser.add_argument("--spread", default="8,256", help="min,max response tokens of --packing's rows (uniform)")
 
 
 def synthetic_batch(model, vocab: int, rows: int, prompt_len: int, resp_len: int, group_size: int,
@@ -155,19 +160,58 @@ def autocast_mismatch(base_lp, mixed_lp, mask) -> dict[str, float]:
             "kl_seq": float((kl_estimate(base_lp, mixed_lp, "k3") * mask).sum(1).mean())}
 
 
-def _fwd_bwd(model, batch, with_stats: bool, share_prompts: bool = True, autocast: str = "none") -> float:
+def _fwd_bwd(model, batch, with_stats: bool, share_prompts: bool = True, autocast: str = "none",
+             packing: bool = False) -> float:
     import torch
 
 
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
     fwd = forward_response(model, batch, 1.0, with_stats=with_stats, share_prompts=share_prompts,
-                           autocast=autocast)
+                           autocast=autocast, packing=packing)
     mask = batch.response_mask
     adv = torch.where(batch.rewards > 0.5, 1.0, -1.0)[:, None]
     loss = -(fwd.logprobs * adv * mask).sum() / mask.sum()
     loss.backward()
     return time.perf_counter() - t0
+
+
+def packing_compare(model, vocab: int, args) -> dict:
+    """Padded vs packed forward+backward of one batch whose response lengths spread uniformly over
+    `args.spread` (prompts shared within groups on both sides), alternating, median of `args.repeats`."""
+    import torch
+
+    low, high = (int(x) for x in args.spread.split(","))
+    batch = synthetic_batch(model, vocab, args.rows, args.prompt_length, high, args.group_size, topk=1)
+    g = torch.Generator().manual_seed(1)
+    lengths = torch.randint(low, high + 1, (args.rows,), generator=g)
+    mask = (torch.arange(high)[None] < lengths[:, None]).float()
+    batch = replace(batch, response_mask=mask, response_ids=batch.response_ids * mask.long())
+    tokens = float(mask.sum())
+    times: dict[str, list[float]] = {"padded": [], "packed": []}
+    for rep in range(args.repeats + 1):
+        for arm in (["padded", "packed"] if rep % 2 == 0 else ["packed", "padded"]):
+            dt = _fwd_bwd(model, batch, False, packing=arm == "packed")
+            if rep:
+                times[arm].append(dt)
+    with torch.no_grad():
+        a = forward_response(model, batch, 1.0, with_stats=False).logprobs
+        b = forward_response(model, batch, 1.0, with_stats=False, packing=True).logprobs
+    med = {k: statistics.median(v) for k, v in times.items()}
+    return {"rows": args.rows, "spread": [low, high], "response_tokens": tokens,
+            "padded_tokens": float(args.rows * high), "prompt_length": args.prompt_length,
+            "padded_s": med["padded"], "packed_s": med["packed"], "speedup": med["padded"] / med["packed"],
+            "padded_tokens_per_s": tokens / med["padded"], "packed_tokens_per_s": tokens / med["packed"],
+            "logprob_max_diff": float(((a - b) * mask).abs().max()), "runs": times}
+
+
+def packing_table(p: dict) -> str:
+    return ("| side | fwd+bwd s | response tokens/s |\n|---|---|---|\n"
+            f"| padded | {p['padded_s']:.3f} | {p['padded_tokens_per_s']:.1f} |\n"
+            f"| packed | {p['packed_s']:.3f} | {p['packed_tokens_per_s']:.1f} |\n\n"
+            f"{p['rows']} rows, responses {p['spread'][0]}-{p['spread'][1]} tokens ({p['response_tokens']:.0f} of "
+            f"{p['padded_tokens']:.0f} padded positions), prompt {p['prompt_length']}; packed/padded speed-up "
+            f"**{p['speedup']:.2f}x**; max |d log p| {p['logprob_max_diff']:.1e}.\n")
 
 
 def parse_threads(spec: str) -> list[int | str]:
@@ -305,6 +349,14 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
     model, tokenizer = cached_model(args.model, args.cache_dir or DEFAULT_CACHE)
     model.train()
     vocab = model.config.vocab_size
+    if args.packing:
+        results = {"source": git_state(), "model": args.model, "threads": count[arms[0]],
+                   "packing": packing_compare(model, vocab, args)}
+        p = results["packing"]
+        write_bench(f"step-packing-{args.model}" + ("-quick" if args.quick else ""), results, packing_table(p),
+                    Path(args.out), headline=f"packed fwd+bwd {p['speedup']:.2f}x padded ({p['rows']} rows, "
+                                             f"responses {p['spread'][0]}-{p['spread'][1]} tokens)")
+        return 0
     if args.compile == "only":
         rows = compile_grid(model, vocab, args)
         results = {"source": git_state(), "model": args.model, "threads": count[arms[0]],

@@ -105,6 +105,51 @@ def full_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, resp
     return out.logits[:, -(t + 1):-1]
 
 
+def packed_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                  response_mask: torch.Tensor, prompt_of_row: torch.Tensor | None = None) -> torch.Tensor:
+    """Same logits as `full_logits` from ONE sequence that packs the rows without padding: each distinct prompt
+    once (rows sharing it, `prompt_of_row`, see it as their prefix) followed by the rows' responses, with a
+    block attention mask (a response sees its prompt and its own earlier tokens, nothing else) and per-segment
+    position ids (a response continues its prompt's positions). Padding costs no compute."""
+    device = response_ids.device
+    b = response_ids.shape[0]
+    if prompt_of_row is None:
+        prompt_of_row = torch.arange(b, device=device)
+    n_prompts = int(prompt_of_row.max()) + 1
+    first = torch.zeros(n_prompts, dtype=torch.long, device=device).scatter_(
+        0, prompt_of_row, torch.arange(b, device=device))
+    ids, seg_prompt, seg_row, pos = [], [], [], []
+    prompt_last = torch.zeros(n_prompts, dtype=torch.long, device=device)   # packed index of its last token
+    prompt_len = prompt_mask.sum(1).long()
+    for g in range(n_prompts):
+        toks = prompt_ids[first[g]][prompt_mask[first[g]] > 0]
+        prompt_last[g] = sum(len(x) for x in ids) + len(toks) - 1
+        ids.append(toks)
+        seg_prompt.append(torch.full((len(toks),), g, device=device))
+        seg_row.append(torch.full((len(toks),), -1, device=device))
+        pos.append(torch.arange(len(toks), device=device))
+    resp_len = response_mask.sum(1).long()
+    starts = torch.zeros(b, dtype=torch.long, device=device)
+    for r in range(b):   # a response's last token predicts nothing: its tokens 0 .. t-2 are the predictors
+        toks = response_ids[r, :max(int(resp_len[r]) - 1, 0)]
+        starts[r] = sum(len(x) for x in ids)
+        g = int(prompt_of_row[r])
+        ids.append(toks)
+        seg_prompt.append(torch.full((len(toks),), g, device=device))
+        seg_row.append(torch.full((len(toks),), r, device=device))
+        pos.append(int(prompt_len[first[g]]) + torch.arange(len(toks), device=device))
+    ids_t, sp, sr, ps = (torch.cat(x) for x in (ids, seg_prompt, seg_row, pos))
+    visible = (sp[:, None] == sp[None, :]) & (ps[None, :] <= ps[:, None]) & ((sr[None, :] == -1) | (sr[:, None] == sr[None, :]))
+    out = model(input_ids=ids_t[None], attention_mask=visible[None, None], position_ids=ps[None], use_cache=False)
+    flat = out.logits[0]
+    t = response_ids.shape[1]
+    # predictor of response token j of row r: its prompt's last token (j = 0), else its response token j - 1
+    j = torch.arange(t, device=device)[None, :]
+    index = torch.where(j == 0, prompt_last[prompt_of_row][:, None], starts[:, None] + j - 1)
+    index = torch.where(j < resp_len[:, None], index, prompt_last[prompt_of_row][:, None])   # padding: any row
+    return flat[index]
+
+
 def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
                          response_mask: torch.Tensor, prompt_of_row: torch.Tensor) -> torch.Tensor | None:
     """Same logits as `full_logits`, computing each distinct prompt once: the prompt pass (with grad) builds a
@@ -137,7 +182,8 @@ def forward_response(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
                      response_mask: torch.Tensor, temperature: float, *, with_stats: bool = True,
                      topk_ids: torch.Tensor | None = None, share_prompts: bool = True,
                      autocast: str = "none", truncation: TruncationRule | None = None,
-                     replay: bool = False, kept_counts: torch.Tensor | None = None) -> ResponseForward:
+                     replay: bool = False, kept_counts: torch.Tensor | None = None,
+                     packing: bool = False) -> ResponseForward:
     """Log-probs of the response tokens in one forward pass.
 
     Input = [left-padded prompt | right-padded response]; position ids follow the attention mask (as in
@@ -146,6 +192,8 @@ def forward_response(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     `share_prompts`: rows with identical prompts (a group) share one prompt pass through a KV cache (same
     values up to float rounding, much less compute when prompts are long compared with responses).
     `with_stats`: also the detached entropy and Σπ² per token; `topk_ids` [b, t, K]: also their log-probs.
+    `packing`: the rows packed into one sequence without padding (`packed_logits`; prompts shared when
+    `share_prompts`).
     `autocast` (covrl.models.precision.AUTOCAST_MODES): the model runs under torch.autocast; the log-probs,
     entropy and Σπ² are computed after it, in fp32 from the (bf16) logits upcast block by block.
     `truncation` (the sampler's top-k / top-p / min-p): the kept sets are measured (`truncation` of the result);
@@ -156,7 +204,9 @@ def forward_response(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor,
     prompt_of_row = shared_prompts(prompt_ids, prompt_mask) if share_prompts else None
     logits = None
     with autocast_context(autocast, response_ids.device, model):
-        if prompt_of_row is not None and not checkpointing(model):
+        if packing:
+            logits = packed_logits(model, prompt_ids, prompt_mask, response_ids, response_mask, prompt_of_row)
+        elif prompt_of_row is not None and not checkpointing(model):
             logits = shared_prompt_logits(model, prompt_ids, prompt_mask, response_ids, response_mask,
                                           prompt_of_row)
         if logits is None:

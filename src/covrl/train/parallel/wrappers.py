@@ -56,6 +56,14 @@ class TrainerConfig(Section):
                             "exact ratios, docs/theory.md §12), full (the full softmax: every ratio biased by "
                             "the kept mass; warned at start-up), auto (replay when the sampler truncates)")
 
+    packing: bool = Field(
+        False, description="sequence packing: each micro-batch's rows run as one sequence without padding "
+                           "(block attention mask, per-segment positions; a group's prompt once when "
+                           "optim.share_prompts), micro-batches chosen by trainer.packing_tokens instead of "
+                           "optim.micro_batch_size")
+    packing_tokens: int = Field(4096, ge=1, description="token budget of a packed micro-batch (prompt and response "
+                                                        "tokens; whole groups, a larger group goes alone)")
+
     compile: bool = Field(
         False, description="torch.compile (dynamic shapes) of the trainer's forward+backward; one process only "
                            "(trainer.parallel=none); runs the per-row pass (prompts not shared); the first steps pay "
@@ -78,6 +86,9 @@ class TrainerConfig(Section):
 
     @model_validator(mode="after")
     def _compile_alone(self):
+        if self.compile and self.packing:
+            raise ValueError("trainer.compile=true and trainer.packing=true together are not supported: the "
+                             "packed sequence changes length every step (compile the padded per-row pass)")
         if self.compile and self.parallel != "none":
             raise ValueError(f"trainer.compile=true runs with trainer.parallel=none only (got "
                              f"{self.parallel!r}): the DDP / FSDP2 wrappers are not compiled")

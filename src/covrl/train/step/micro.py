@@ -19,7 +19,7 @@ from covrl.diagnostics.noise import LOSS_UNITS
 from covrl.rollout.types import RolloutBatch
 
 __all__ = ["MicroNorms", "fold_micro_metrics", "groups_of", "halves", "mean_over", "micro_batch_share", "pad_cols",
-           "plan_micro_batches", "trim_columns"]
+           "plan_micro_batches", "plan_packed", "trim_columns"]
 
 
 def pad_cols(x: torch.Tensor, width: int) -> torch.Tensor:
@@ -112,6 +112,28 @@ def plan_micro_batches(group_ids: torch.Tensor, size: int, own: list[int] | None
     if current:
         plan.append(current)
     return plan, True
+
+
+def plan_packed(group_ids: torch.Tensor, tokens: torch.Tensor, budget: int, own: list[int] | None = None
+                ) -> list[list[int]]:
+    """Micro-batches of whole groups whose tokens (`tokens` [B]: each row's prompt + response tokens) fit
+    `budget`, filled greedily in group order; a group larger than the budget is a micro-batch alone. Of the rows
+    `own` (a rank's shard of whole groups) when given."""
+    mine = None if own is None else set(own)
+    plan: list[list[int]] = []
+    current: list[int] = []
+    used = 0
+    for g in groups_of(group_ids):
+        if mine is not None and g[0] not in mine:
+            continue
+        size = int(tokens[g].sum())
+        if current and used + size > budget:
+            plan.append(current)
+            current, used = [], 0
+        current, used = current + g, used + size
+    if current:
+        plan.append(current)
+    return plan
 
 
 def halves(groups: list[list[int]]) -> list[list[int]]:

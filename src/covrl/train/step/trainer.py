@@ -79,6 +79,7 @@ from covrl.train.step.micro import (
     micro_batch_share,
     pad_cols,
     plan_micro_batches,
+    plan_packed,
     trim_columns,
 )
 from covrl.train.step.results import StepResult
@@ -154,7 +155,7 @@ class _Accumulated:
 def forward_response(model, batch: RolloutBatch, temperature: float, *, with_stats: bool = True,
                      topk_ids: torch.Tensor | None = None, share_prompts: bool = True,
                      autocast: str = "none", truncation: TruncationRule | None = None,
-                     replay: bool = False) -> ResponseForward:
+                     replay: bool = False, packing: bool = False) -> ResponseForward:
     """Trainer log-probs (and detached entropy / Σπ², optional top-k log-probs) of the response tokens of
     `batch` in one forward pass: covrl.models.forward.forward_response on the batch's tensors (`autocast`:
     trainer.autocast; the log-probs are fp32 either way). `truncation`: the sampler's rule, whose kept sets
@@ -163,7 +164,7 @@ def forward_response(model, batch: RolloutBatch, temperature: float, *, with_sta
     return forward_response_tokens(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
                                    batch.response_mask, temperature, with_stats=with_stats, topk_ids=topk_ids,
                                    share_prompts=share_prompts, autocast=autocast, truncation=truncation,
-                                   replay=replay, kept_counts=batch.sampler_kept)
+                                   replay=replay, kept_counts=batch.sampler_kept, packing=packing)
 
 
 class Trainer:
@@ -314,7 +315,8 @@ class Trainer:
             # the reference in the trainer's precision: at the start (policy = reference) their KL is exactly 0
             fwd = forward_response(model, mb, self.temperature, with_stats=False,
                                    share_prompts=self.cfg.optim.share_prompts, autocast=self.cfg.trainer.autocast,
-                                   truncation=self.truncation if self.replay else None, replay=self.replay)
+                                   truncation=self.truncation if self.replay else None, replay=self.replay,
+                                   packing=self.cfg.trainer.packing)
             out[idx] = pad_cols(fwd.logprobs.float(), width)
         return out if own is None else self.parallel.all_reduce(out)
 
@@ -324,7 +326,11 @@ class Trainer:
         statistic needs one."""
         alg = self.algorithm
         measure_noise = self._measures_noise()
-        rows, aligned = plan_micro_batches(batch.group_ids, self.cfg.optim.micro_batch_size, own)
+        if self.cfg.trainer.packing:   # by tokens, not rows: whole groups always (a large group goes alone)
+            tokens = (batch.prompt_mask.sum(1) + batch.response_mask.sum(1)).long()
+            rows, aligned = plan_packed(batch.group_ids, tokens, self.cfg.trainer.packing_tokens, own), True
+        else:
+            rows, aligned = plan_micro_batches(batch.group_ids, self.cfg.optim.micro_batch_size, own)
         if measure_noise and aligned and own is None and len(rows) == 1 and len(groups_of(batch.group_ids)) >= 2:
             # The noise split needs gradient norms at two batch sizes and one micro-batch gives one: the step
             # then runs as two halves of whole groups. Each row is still forwarded once and the gradient is the
@@ -361,7 +367,7 @@ class Trainer:
             mb = trim_columns(batch.select(idx))
             fwd = forward_response(self.model, mb, self.temperature, share_prompts=self._share_prompts(),
                                    autocast=self.cfg.trainer.autocast, truncation=self.truncation if self.replay
-                                   else None, replay=self.replay)
+                                   else None, replay=self.replay, packing=self.cfg.trainer.packing)
             if chunk is not None:
                 lp[idx] = pad_cols(fwd.logprobs.float(), width)
                 sps[idx] = pad_cols(fwd.sum_pi_sq, width)
@@ -412,7 +418,7 @@ class Trainer:
                 fwd = forward_response(fmodel, mb, self.temperature, share_prompts=share_prompts,
                                        topk_ids=mb.sampler_topk_ids if alg.score_centering else None,
                                        autocast=cfg.trainer.autocast, truncation=self.truncation,
-                                       replay=self.replay)
+                                       replay=self.replay, packing=cfg.trainer.packing)
                 t = mb.response_ids.shape[1]
                 mb_rewards = rewards[idx] if rewards.dim() == 1 else rewards[idx][:, :t]
                 if prepass is None:
