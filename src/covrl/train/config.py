@@ -22,6 +22,7 @@ from covrl.tasks import TaskConfig
 from covrl.train.asyncrl.config import AsyncLoopConfig
 from covrl.train.parallel.wrappers import TrainerConfig
 from covrl.train.run.alarm import SyncAlarmConfig
+from covrl.train.run.selection import SelectionConfig
 from covrl.train.run.threads import check_num_threads
 from covrl.train.step.batch_scaling import BatchScalingConfig
 from covrl.train.step.lr_surge import LengthSurgeConfig
@@ -235,7 +236,7 @@ class LoggingConfig(Section):
 
 class TrainConfig(Section):
     """A whole training run. Sections: run, model, task, sampler, algorithm, correction, kl, optim, lr_surge,
-    loop, eval, checkpoint, sft_warmup, logging, async_loop, batch_scaling, trainer, sync_alarm, distill."""
+    loop, eval, checkpoint, sft_warmup, logging, async_loop, batch_scaling, trainer, sync_alarm, distill, selection."""
 
     run: RunConfig = Field(default_factory=RunConfig, description="name, seed, device, output folder")
     model: ModelConfig = Field(default_factory=ModelConfig, description="which model to train")
@@ -247,6 +248,8 @@ class TrainConfig(Section):
     kl: KLConfig = Field(default_factory=KLConfig, description="KL penalty to the reference model")
     distill: DistillConfig = Field(default_factory=DistillConfig,
                                    description="on-policy distillation from a frozen teacher")
+    selection: SelectionConfig = Field(default_factory=SelectionConfig,
+                                       description="which prompts of the stream a step trains on")
     optim: OptimConfig = Field(default_factory=OptimConfig, description="AdamW and lr schedule")
     lr_surge: LengthSurgeConfig = Field(default_factory=LengthSurgeConfig,
                                         description="length-surge lr decay (docs/theory.md §8)")
@@ -266,6 +269,10 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
+        if self.selection.strategy != "uniform" and (self.loop.mode != "sync" or self.loop.dynamic_sampling):
+            raise ValueError(f"selection.strategy={self.selection.strategy!r} runs in the sync loop without "
+                             "loop.dynamic_sampling (the async pools and dynamic sampling draw the stream "
+                             "uniformly)")
         if self.algorithm.score_centering and int(getattr(self.sampler, "return_topk", 0) or 0) <= 0:
             raise ValueError("algorithm.score_centering=true needs sampler.return_topk > 0 "
                              "(the sampler's top-k log-probs)")

@@ -35,6 +35,7 @@ from covrl.train.run.alarm import SyncAlarm
 from covrl.train.run.evaluate import evaluate
 from covrl.train.run.plots import plot_curves
 from covrl.train.run.provenance import git_state, versions
+from covrl.train.run.selection import PromptSelector
 from covrl.train.run.sinks import (
     ConsoleSink,
     JsonlSink,
@@ -130,6 +131,7 @@ class Run:
     initial_weights: dict[str, Any] | None = None
     sync_alarm: SyncAlarm | None = None   # the weight-sync alarm (covrl.train.run.alarm)
     warned_cut: bool = False   # the warning that most responses hit sampler.max_new_tokens was printed
+    selector: PromptSelector | None = None   # which prompts of the stream a step trains on (selection)
 
     # ------------------------------------------------------------------------------- checkpointer
     def register(self, name: str, part: Any) -> None:
@@ -529,6 +531,9 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     run.register("stream", stream)
     run.register("rng", _GeneratorState(generator))
     run.register("loop", _LoopCounters(run))
+    run.selector = PromptSelector(cfg.selection, cfg.run.seed, len(task.train))
+    if cfg.selection.strategy != "uniform":
+        run.register("selection", run.selector)
     run.sync_alarm = SyncAlarm(cfg.sync_alarm, describe_engine=f"sampler.backend={cfg.sampler.backend}, "
                                                                f"dtype {cfg.sampler.dtype or cfg.model.dtype}")
     run.register("sync_alarm", run.sync_alarm)

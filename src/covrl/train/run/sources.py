@@ -125,12 +125,19 @@ class SyncSource:
     def next_batch(self, trainer_version: int) -> SourceBatch:
         run = self.run
         lcfg = run.cfg.loop
-        examples, positions = run.stream.take(lcfg.prompts_per_step)
+        if run.selector is None:
+            examples, positions = run.stream.take(lcfg.prompts_per_step)
+        else:
+            examples, positions = run.selector.take(run.stream, lcfg.prompts_per_step, lcfg.group_size)
         generated = generate_batch(run.sampler, run.task, run.tokenizer, run.cfg.task, examples, lcfg.group_size,
                                    generator=run.generator, version=trainer_version)
         fault_point("generate")  # reliability tests: COVRL_FAULT (no-op otherwise)
         scored = score_batch(run.task, run.tokenizer, generated, examples, lcfg.group_size, positions)
-        return SourceBatch(scored, examples=tuple(examples))
+        metrics: dict[str, float] = {}
+        if run.selector is not None and run.cfg.selection.strategy != "uniform":
+            run.selector.observe(run.stream, positions, scored.correct, lcfg.group_size, examples)
+            metrics = run.selector.metrics()
+        return SourceBatch(scored, metrics=metrics, examples=tuple(examples))
 
     def step_done(self, result: StepResult) -> None:
         pass
