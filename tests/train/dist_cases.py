@@ -49,6 +49,8 @@ CASES: dict[str, tuple[dict, dict]] = {
     # measured every 2nd step: the ranks agree on which (the unmeasured step runs no gather collective)
     "noise-every": ({"logging.noise_scale": True, "logging.noise_scale_every": 2, "optim.micro_batch_size": 4,
                      "optim.max_grad_norm": None}, {}),
+    # on-policy distillation: every rank holds the same frozen teacher and scores its shard (a full-batch metric)
+    "distill": ({"distill.teacher": {"source": "tiny"}, "algorithm.loss": "reinforce"}, {}),
     # sequence packing: each rank packs its shard's groups into token-budget micro-batches
     "packing": ({"trainer.packing": True, "trainer.packing_tokens": 40}, {}),
 }
@@ -89,7 +91,8 @@ def run_case(name: str, parallel: str = "none") -> dict:
         # equality with one process shows that rank 0's reference reached every rank
         rank = dist.get_rank() if parallel != "none" else 0
         ref = frozen_copy(make_model(seed=2 + rank))
-    trainer = Trainer(model, cfg, ref_model=ref)
+    teacher = frozen_copy(make_model(seed=3)) if cfg.distill.teacher is not None else None
+    trainer = Trainer(model, cfg, ref_model=ref, teacher=teacher)
     metrics = [dict(trainer.step(b).metrics) for b in case_batches(batch_opts)]
     return {"metrics": metrics, "weights": {k: v.detach().clone() for k, v in _full_state(trainer).items()}}
 
