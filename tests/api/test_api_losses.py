@@ -137,3 +137,23 @@ def test_forward_replays_a_truncating_samplers_kept_sets(tmp_path, mode):
         assert gap.abs().max() < 1e-4
     else:
         assert gap.max() < 0 and gap.mean() < -1e-2
+
+
+def test_a_per_call_truncation_the_trainer_does_not_replay_warns_once(tmp_path):
+    """Sampling with top_p per call while the training client scores the full softmax warns (once per rule);
+    sampling with the rule the client replays does not."""
+    import warnings
+
+    from covrl.api import SamplingParams, TrainingClient
+
+    client = TrainingClient.from_config("tiny", {**SMALL, "sampler.top_k": 4}, state_dir=tmp_path)
+    sampling = client.save_weights_and_get_sampling_client()
+    examples, _ = client.stream.take(1)
+    prompt = client.task.encode(client.tokenizer, examples[0])
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sampling.sample(prompt, 2)                                        # the replayed rule: quiet
+        sampling.sample(prompt, 2, SamplingParams(top_p=0.9))             # another rule: warns
+        sampling.sample(prompt, 2, SamplingParams(top_p=0.9))             # the same again: quiet
+    texts = [str(w.message) for w in caught if "kept mass" in str(w.message)]
+    assert len(texts) == 1 and "top_p=0.9" in texts[0] and "replays" in texts[0]

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
@@ -117,6 +118,7 @@ class TrainingClient:
         self.optimizer: torch.optim.Optimizer | None = None
         self.version = 0           # optimizer steps applied = the policy version a sampling client holds
         self._sampler = None
+        self._warned_rules: set = set()   # per-call truncation the trainer does not replay, warned once each
         self.config: TrainConfig | None = None
         self.task = None
         self.stream: DataStream | None = None
@@ -452,6 +454,20 @@ class TrainingClient:
     def get_tokenizer(self):
         return self.tokenizer
 
+    def check_sampling_rule(self, rule) -> None:
+        """Warn once per rule when samples are drawn with a truncation this client's forward does not replay:
+        their log q is that of the truncated q, so an IS ratio against the full softmax carries the kept mass
+        S_t on every token (docs/theory.md §12)."""
+        replayed = self.truncation if self.replay else None
+        # truncation="full" with the client's own rule is the user's explicit choice, not a surprise
+        if (rule if rule.active else None) in (replayed, self.truncation) or rule in self._warned_rules:
+            return
+        self._warned_rules.add(rule)
+        have = f"replays {replayed}" if replayed is not None else "scores the full softmax"
+        warnings.warn(f"sampling with {rule} while this training client {have}: importance ratios on these "
+                      f"samples are biased by the kept mass (docs/theory.md §12); build the training client with "
+                      f"the same sampler.top_k / top_p / min_p to replay the kept sets", stacklevel=3)
+
 
 class SamplingClient:
     """Samples from the weights of one version. A client of the pushed weights
@@ -497,6 +513,8 @@ class SamplingClient:
             else self.owner.generator
         old = sampler.cfg
         sampler.cfg = old.model_copy(update=update) if update else old
+        if not greedy:
+            self.owner.check_sampling_rule(truncation_rule(sampler.cfg))
         try:
             with self._weights_held():
                 batch = sampler.generate(rows, num_samples, generator=generator, policy_version=self.version,
