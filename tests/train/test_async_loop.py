@@ -183,10 +183,11 @@ def test_queue_survives_resume(tmp_path):
         assert a == b
 
 
-def test_resume_regenerates_the_chunk_in_flight(tmp_path):
+@pytest.mark.parametrize("partial", [False, True], ids=["whole", "partial_rollouts"])
+def test_resume_regenerates_the_chunk_in_flight(tmp_path, partial):
     """Threaded run: the checkpoint after step 1 is taken while the sampler is generating a chunk (the test
     holds that chunk until the checkpoint is written). Resuming from it generates the chunk again; the prompts
-    trained over both sessions are the stream in order, each once."""
+    trained over both sessions are the stream in order, each once (also when weights reach chunks in flight)."""
     import threading
 
     from covrl.train.run import checkpoint as ckpt
@@ -194,7 +195,8 @@ def test_resume_regenerates_the_chunk_in_flight(tmp_path):
     torch.set_num_threads(1)
     cfg = tiny_cfg(tmp_path, steps=3, **{"checkpoint.every_rollouts": 16, "checkpoint.keep_last": 5,
                                           "run.name": "inflight"})
-    acfg = AsyncLoopConfig(max_staleness_steps=1, chunk_prompts=2)   # B = 16, chunks of 8 rollouts, Q = 16
+    acfg = AsyncLoopConfig(max_staleness_steps=1, chunk_prompts=2,   # B = 16, chunks of 8 rollouts, Q = 16
+                           partial_rollouts=partial)
     run = prepare_async_run(cfg, console=False)
     started, saved = threading.Event(), threading.Event()
     generate, save = run.sampler.generate, run.save_checkpoint

@@ -26,6 +26,13 @@ change), and the uniforms are still drawn for the live rows only, so with the sa
 the eager loop's whenever the logits agree to fp32 rounding. The prefill stays eager.
 
 Greedy decoding takes argmax q (the same filtered distribution) and reports log q of that token.
+
+In-flight weight updates (`refresh`, the async loop's partial rollouts, docs/async.md): between two decode
+steps the caller may hand newer weights; the sampler loads them and prefills every live row again (prompt +
+the tokens drawn so far) with the new weights, so each later token is drawn from exactly the new version's q
+(the old KV cache, computed by other weights, is dropped rather than mixed). `token_versions` records the
+version that drew each token; the random stream is consumed as without the update (one uniform per live row
+and step), so tokens drawn before the update are unchanged.
 """
 
 from __future__ import annotations
@@ -102,11 +109,16 @@ class SamplerConfig(Section):
         return self
 
 
+# refresh() -> (weights, version) newer than the sampler's, or None: polled between decode steps
+WeightsRefresh = Callable[[], "tuple[object, int] | None"]
+
+
 class Sampler(Protocol):
     version: int
 
     def generate(self, prompts: list[list[int]], n: int, *, generator: torch.Generator,
-                 policy_version: int | None = None, greedy: bool = False) -> RolloutBatch: ...
+                 policy_version: int | None = None, greedy: bool = False,
+                 refresh: WeightsRefresh | None = None) -> RolloutBatch: ...
 
     def load_weights(self, model_or_state_dict, version: int) -> None: ...
 
@@ -272,10 +284,15 @@ class HFSampler:
 
     @torch.inference_mode()
     def generate(self, prompts: list[list[int]], n: int, *, generator: torch.Generator,
-                 policy_version: int | None = None, greedy: bool = False) -> RolloutBatch:
+                 policy_version: int | None = None, greedy: bool = False,
+                 refresh: WeightsRefresh | None = None) -> RolloutBatch:
         """n samples per prompt -> RolloutBatch with rows [p0 x n, p1 x n, ...] and group_ids = prompt index.
         Deterministic given `generator` (the only source of randomness). `policy_version` defaults to the
-        version of the last `load_weights`."""
+        version of the last `load_weights`. `refresh`: newer weights taken between decode steps (module
+        docstring); the batch then carries `token_versions`."""
+        if refresh is not None and self.cfg.compile:
+            raise ValueError("in-flight weight updates (async_loop.partial_rollouts) need the eager decode loop: "
+                             "set sampler.compile=false")
         self._check_prompts(prompts, n)
         version = self.version if policy_version is None else int(policy_version)
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
@@ -285,7 +302,7 @@ class HFSampler:
         t0 = time.perf_counter()
         c0, g0 = (compile_seconds(), compiled_graphs()) if self.cfg.compile else (0.0, 0)
         try:
-            pieces = [self._generate_chunk(rows[s: s + self.cfg.max_batch], generator, greedy)
+            pieces = [self._generate_chunk(rows[s: s + self.cfg.max_batch], generator, greedy, refresh)
                       for s in range(0, len(rows), self.cfg.max_batch)]
         finally:
             if was_training:
@@ -298,22 +315,31 @@ class HFSampler:
                                compile_s=compile_s)
         return self._assemble(rows, pieces, n, version, timing)
 
-    def _generate_chunk(self, rows: list[list[int]], generator: torch.Generator, greedy: bool) -> dict:
+    def _prefill(self, rows: list[list[int]], device) -> tuple:
+        """Left-padded ids, attention mask, position ids of `rows`, and the model's output on them (KV cache
+        and the last position's logits)."""
+        P = max(len(r) for r in rows)
+        ids = torch.full((len(rows), P), self.pad_id, dtype=torch.long)
+        attn = torch.zeros((len(rows), P), dtype=torch.long)
+        for i, r in enumerate(rows):
+            ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
+            attn[i, P - len(r):] = 1
+        ids, attn = ids.to(device), attn.to(device)
+        positions = (attn.cumsum(-1) - 1).clamp_(min=0)
+        out = self.module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
+                          logits_to_keep=1)
+        return attn, positions, out
+
+    def _generate_chunk(self, rows: list[list[int]], generator: torch.Generator, greedy: bool,
+                        refresh: WeightsRefresh | None = None) -> dict:
         cfg = self.cfg
         device = _module_device(self.module)
-        B, P = len(rows), max(len(r) for r in rows)
+        B = len(rows)
         # The n samples of a prompt share their prefix: prefill each distinct prompt once, then repeat its
         # KV cache rows (n times less prefill compute for n samples per prompt).
         first_row: dict[tuple[int, ...], int] = {}
         expand = torch.tensor([first_row.setdefault(tuple(r), len(first_row)) for r in rows], device=device)
         unique = [list(k) for k in first_row]
-        ids = torch.full((len(unique), P), self.pad_id, dtype=torch.long)
-        attn = torch.zeros((len(unique), P), dtype=torch.long)
-        for i, r in enumerate(unique):
-            ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
-            attn[i, P - len(r):] = 1
-        ids, attn = ids.to(device), attn.to(device)
-        positions = (attn.cumsum(-1) - 1).clamp_(min=0)
         eos = torch.tensor(self.eos_ids, device=device)
         K = cfg.return_topk
 
@@ -326,9 +352,10 @@ class HFSampler:
             out_topk_ids = torch.zeros((B, cfg.max_new_tokens, K), dtype=torch.long, device=device)
             out_topk_lp = torch.zeros((B, cfg.max_new_tokens, K), dtype=torch.float32, device=device)
 
+        out_version = torch.full((B, cfg.max_new_tokens), self.version, dtype=torch.long) if refresh else None
+
         t0 = time.perf_counter()
-        out = self.module(input_ids=ids, attention_mask=attn, position_ids=positions, use_cache=True,
-                          logits_to_keep=1)
+        attn, positions, out = self._prefill(unique, device)
         prefill_s = time.perf_counter() - t0
         decode = (_StaticDecode if cfg.compile else _DynamicDecode)(self, output_cache(out), expand, attn,
                                                                      positions[:, -1] + 1)
@@ -341,6 +368,8 @@ class HFSampler:
             out_logq[active, t] = logq.gather(-1, tok[:, None]).squeeze(-1)
             if kept is not None:
                 out_kept[active, t] = kept
+            if out_version is not None:
+                out_version[active.cpu(), t] = self.version
             out_len[active] = t + 1
             if K:
                 top = logq.topk(min(K, logq.shape[-1]), dim=-1)
@@ -352,9 +381,23 @@ class HFSampler:
             keep = None if bool(alive.all()) else alive.nonzero().squeeze(-1)  # finished rows leave the batch
             if keep is not None:
                 active = active[keep]
-            logits = decode.step(tok, keep)
+            newer = refresh() if refresh is not None else None
+            if newer is not None and int(newer[1]) > self.version:
+                # new weights mid-generation: drop the old cache, prefill the live rows' prefixes again
+                self.load_weights(newer[0], int(newer[1]))
+                prefixes = [rows[int(i)] + out_tokens[i, : t + 1].tolist() for i in active.tolist()]
+                t1 = time.perf_counter()
+                attn, positions, out = self._prefill(prefixes, device)
+                prefill_s += time.perf_counter() - t1
+                decode = _DynamicDecode(self, output_cache(out), torch.arange(len(prefixes), device=device),
+                                        attn, positions[:, -1] + 1)
+                logits = out.logits[:, -1, :]
+            else:
+                logits = decode.step(tok, keep)
         piece = {"tokens": out_tokens.cpu(), "logq": out_logq.cpu(), "length": out_len.cpu(),
                  "prefill_s": prefill_s}
+        if out_version is not None:
+            piece["versions"] = out_version
         if out_kept is not None and not greedy:
             piece["kept"] = out_kept.cpu()
         if K:
@@ -382,12 +425,15 @@ class HFSampler:
         kept = None
         if all("kept" in p for p in pieces):
             kept = torch.cat([p["kept"][:, :T] for p in pieces]) * response_mask.long()
+        token_versions = None
+        if all("versions" in p for p in pieces):
+            token_versions = torch.cat([p["versions"][:, :T] for p in pieces])
         return RolloutBatch(
             prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
             response_mask=response_mask, sampler_logprobs=logq, sampler_kept=kept,
             group_ids=torch.arange(len(rows) // n).repeat_interleave(n),
             policy_version=torch.full((B,), version, dtype=torch.long),
-            sampler_topk_ids=topk_ids, sampler_topk_logprobs=topk_lp,
+            sampler_topk_ids=topk_ids, sampler_topk_logprobs=topk_lp, token_versions=token_versions,
             timing=timing,
         )
 

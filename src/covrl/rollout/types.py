@@ -48,6 +48,8 @@ class RolloutBatch:
     sampler_kept     [B, T] long (optional): size of the kept set each token was drawn from under top-k / top-p /
                      min-p truncation (0 = the whole vocabulary), for the trainer's replay (docs/theory.md §12)
     prompt_index     [B] long (optional): position of the prompt in the task's data stream (exact resume)
+    token_versions   [B, T] long (optional, partial rollouts): the policy version whose weights drew each token;
+                     None = every token of a row from its `policy_version`
     loss_mask        [B, T] float (optional, multi-turn episodes): 1 on the model's own tokens, 0 on environment /
                      tool-result tokens that sit inside the response as context (response_mask 1, no sampler
                      log-prob); None = every response token is the model's (`train_mask` is response_mask)
@@ -66,6 +68,7 @@ class RolloutBatch:
     sampler_kept: torch.Tensor | None = None
     prompt_index: torch.Tensor | None = None
     loss_mask: torch.Tensor | None = None
+    token_versions: torch.Tensor | None = None
     timing: RolloutTiming = field(default_factory=RolloutTiming)
 
     def __len__(self) -> int:
@@ -76,6 +79,13 @@ class RolloutBatch:
         """The tokens the loss, the corrections and the mismatch metrics count: the model's own tokens
         (loss_mask) where environment tokens sit in the response, else the response mask."""
         return self.response_mask if self.loss_mask is None else self.loss_mask
+
+    @property
+    def versions_per_token(self) -> torch.Tensor:
+        """[B, T] long: the version that drew each token (`token_versions`, else the row's policy_version)."""
+        if self.token_versions is not None:
+            return self.token_versions
+        return self.policy_version[:, None].expand(self.response_ids.shape)
 
     @property
     def num_response_tokens(self) -> int:
@@ -185,6 +195,8 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         "sampler_kept": _cat_optional([b.sampler_kept for b in batches], T),
         "policy_version": torch.cat([b.policy_version for b in batches]),
         "prompt_index": _cat_optional([b.prompt_index for b in batches]),
+        "token_versions": None if all(b.token_versions is None for b in batches)
+        else torch.cat([_pad(b.versions_per_token, T) for b in batches]),
         # single-turn chunks beside episodes: all their response tokens are the model's
         "loss_mask": None if all(b.loss_mask is None for b in batches)
         else torch.cat([_pad(b.train_mask, T) for b in batches]),

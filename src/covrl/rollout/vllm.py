@@ -430,9 +430,13 @@ class VLLMSampler:
             seed=seed)
 
     def generate(self, prompts: list[list[int]], n: int, *, generator: torch.Generator,
-                 policy_version: int | None = None, greedy: bool = False) -> RolloutBatch:
+                 policy_version: int | None = None, greedy: bool = False, refresh=None) -> RolloutBatch:
         """n samples per prompt -> RolloutBatch with rows [p0 x n, p1 x n, ...] and group_ids = prompt index.
         Deterministic given `generator` (one seed per row is drawn from it, greedy or not)."""
+        if refresh is not None:
+            raise ValueError("in-flight weight updates (async_loop.partial_rollouts) are not supported by "
+                             "sampler.backend=vllm: one generate call is one engine request; use the hf sampler "
+                             "or async_loop.partial_rollouts=false")
         if self._entry["owner"] != id(self):
             raise RuntimeError("this vLLM sampler's engine now holds another sampler's weights (a newer "
                                "sampler was built on the same engine); call load_weights first")

@@ -44,6 +44,12 @@ class AsyncLoopConfig(Section):
     floor_probe_every: int = Field(
         0, ge=0, description="every this many chunks, measure the engine floor: kl_seq between the sampler and an "
                              "fp32 forward at the same weights on the chunk just generated (0: never)")
+    partial_rollouts: bool = Field(
+        False, description="weights published while a chunk generates reach it between two decode steps: the live "
+                           "rows are prefilled again with the new weights and go on; each token records the version "
+                           "that drew it (RolloutBatch.token_versions). local_backend=thread (or emulate) with the "
+                           "hf sampler, single-turn tasks; admission and the staleness bound stay by a row's first "
+                           "token (docs/async.md)")
     ray_address: str | None = Field(
         None, description="Ray cluster to join (ray.init(address=...)), e.g. 'auto' or 'ray://head:10001'; "
                           "None = start a local Ray instance")

@@ -155,10 +155,11 @@ def floor_probe(reference_model, batch: RolloutBatch, cfg) -> float:
 
 
 def generate_chunk(sampler, task, tokenizer, task_cfg, examples: list, positions: list[int], group_size: int,
-                   generator: torch.Generator, version: int) -> ScoredBatch:
-    """Generate and score one chunk (whole groups): completions, or episodes for a task with an environment."""
+                   generator: torch.Generator, version: int, refresh=None) -> ScoredBatch:
+    """Generate and score one chunk (whole groups): completions, or episodes for a task with an environment.
+    `refresh`: newer weights handed mid-generation (async_loop.partial_rollouts)."""
     generated = generate_batch(sampler, task, tokenizer, task_cfg, examples, group_size, generator=generator,
-                               version=version)
+                               version=version, refresh=refresh)
     return score_batch(task, tokenizer, generated, examples, group_size, positions)
 
 
@@ -218,19 +219,33 @@ class _LocalWorkerMixin:
         if chunk.meta.get("restarted") and chunk.meta.get("rng_before") is not None:
             run.generator.set_state(chunk.meta["rng_before"])
         examples, positions = st.chunk_examples(chunk)
+        refresh = self._refresh if st.acfg.partial_rollouts else None
         batch = generate_chunk(run.sampler, run.task, run.tokenizer, run.cfg.task, examples, positions, st.group_size,
-                               run.generator, chunk.version)
+                               run.generator, chunk.version, refresh=refresh)
         self._maybe_probe(batch)
         with st.cond:
             st.manager.complete(chunk, batch)
             st.chunks_generated += 1
             st.cond.notify_all()
 
+    def _refresh(self) -> tuple[Any, int] | None:
+        """Newer published weights for a chunk in flight (partial rollouts), else None. The serial pool
+        publishes between chunks only, so it never hands any."""
+        pub = self.state.published
+        if pub is not None and pub[1] > self.state.run.sampler.version:
+            if self.state.acfg.floor_probe_every:
+                self._probe_weights = pub[0]
+            return pub
+        return None
+
     def _maybe_probe(self, batch: RolloutBatch) -> None:
         st = self.state
         every = st.acfg.floor_probe_every
         if not every or st.chunks_generated % every:
             return
+        versions = batch.versions_per_token[batch.train_mask > 0]
+        if versions.numel() and bool((versions != versions[0]).any()):
+            return   # drawn by two versions: no single set of weights to compare the engine against
         run = st.run
         ref = getattr(self, "_probe_model", None)
         if ref is None:

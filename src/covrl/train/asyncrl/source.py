@@ -25,6 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any
 
+import torch
+
 from covrl.rollout import build_sampler
 from covrl.rollout.types import batch_from_state, batch_to_state, concat_batches
 from covrl.train.asyncrl.config import AsyncLoopConfig
@@ -92,8 +94,10 @@ class AsyncSource:
         mgr.accepted = mgr.consumed = mgr.next_ticket = run.trainer.rollouts
         # the sampler holds the trainer's (checkpoint) weights at the trainer's version
         run.sampler.load_weights(run.model, run.trainer.version)
+        name = pool or ("serial" if acfg.emulate else acfg.local_backend) if pool_factory is None else "ray"
+        if acfg.partial_rollouts:
+            _check_partial_rollouts(run.cfg, name)
         if pool_factory is None:
-            name = pool or ("serial" if acfg.emulate else acfg.local_backend)
             if name not in POOLS:
                 raise ValueError(f"unknown async pool {name!r}; allowed: {', '.join(POOLS)}")
             pool_factory = POOLS[name]
@@ -121,7 +125,7 @@ class AsyncSource:
     def next_batch(self, trainer_version: int) -> SourceBatch:
         res = self.pool.next_batch(trainer_version)
         batch = concat_batches([c.payload for c in res.chunks], self.state.pad_id)
-        return SourceBatch(batch, dict(res.metrics))
+        return SourceBatch(batch, {**res.metrics, **token_lag_metrics(batch, trainer_version)})
 
     def step_done(self, result: StepResult) -> None:
         st = self.state
@@ -185,6 +189,33 @@ class AsyncSource:
             "trainer_idle_frac": st.trainer_idle_s / wall, "dropped_rollouts": st.manager.dropped,
             "floor_kl_seq": st.floor_mean, "floor_probes": st.floor_samples,
         }}
+
+
+def _check_partial_rollouts(cfg, pool: str) -> None:
+    """Partial rollouts need a sampler that takes weights between decode steps in the trainer's process."""
+    if pool not in ("serial", "thread"):
+        raise ValueError(f"async_loop.partial_rollouts=true needs async_loop.local_backend=thread (loop.mode="
+                         f"async); the {pool!r} sampler workers take weights between chunks only")
+    if cfg.sampler.backend != "hf" or cfg.sampler.compile:
+        raise ValueError("async_loop.partial_rollouts=true needs the eager hf sampler (sampler.backend=hf, "
+                         f"sampler.compile=false); got backend={cfg.sampler.backend!r}, compile={cfg.sampler.compile}")
+    if cfg.task.env.name:
+        raise ValueError("async_loop.partial_rollouts=true: multi-turn episodes (task.env) are not supported")
+
+
+def token_lag_metrics(batch, trainer_version: int) -> dict[str, float]:
+    """The staleness ledger by token: lag = trainer version − the version that drew the token, over the
+    model's tokens; rows drawn by more than one version (a push landed mid-generation)."""
+    mask = batch.train_mask > 0
+    versions = batch.versions_per_token
+    lag = (int(trainer_version) - versions[mask]).float()
+    if not lag.numel():
+        return {}
+    first = versions.masked_fill(~mask, torch.iinfo(versions.dtype).max).amin(1)
+    last = versions.masked_fill(~mask, torch.iinfo(versions.dtype).min).amax(1)
+    rows = mask.any(1)
+    return {"async/token_lag_mean": float(lag.mean()), "async/token_lag_max": float(lag.max()),
+            "async/mixed_rows_frac": float(((last > first) & rows).float().sum() / rows.float().sum().clamp(min=1))}
 
 
 def train_async(run: Run, *, acfg: AsyncLoopConfig | None = None, pool: str | None = None,

@@ -87,15 +87,21 @@ def score_rollouts(task, tokenizer, batch: RolloutBatch, examples: list, n: int,
 
 
 def generate_batch(sampler, task, tokenizer, task_cfg, examples: list, n: int, *, generator: torch.Generator,
-                   version: int) -> RolloutBatch | EpisodeBatch:
+                   version: int, refresh=None) -> RolloutBatch | EpisodeBatch:
     """n rollouts per example: multi-turn episodes for a task with an environment (`task.env.name`, with
     `task_cfg.chat_template` and `task_cfg.env.max_turns`), else single completions of the encoded prompts.
-    Every source and sampler pool generates through here, so the sync, async and Ray loops get the same rows."""
+    Every source and sampler pool generates through here, so the sync, async and Ray loops get the same rows.
+    `refresh`: in-flight weight updates (the sampler's `generate`), single-turn only."""
     if getattr(task, "environment", None) is not None:
+        if refresh is not None:
+            raise ValueError("async_loop.partial_rollouts: multi-turn episodes (task.env) are generated turn by "
+                             "turn and are not supported; set async_loop.partial_rollouts=false")
         return generate_episodes(sampler, tokenizer, task.environment, examples, n, generator=generator,
                                  chat_template=task_cfg.chat_template, max_turns=task_cfg.env.max_turns,
                                  policy_version=version)
     prompts = [task.encode(tokenizer, ex) for ex in examples]
+    if refresh is not None:
+        return sampler.generate(prompts, n, generator=generator, policy_version=version, refresh=refresh)
     return sampler.generate(prompts, n, generator=generator, policy_version=version)
 
 
