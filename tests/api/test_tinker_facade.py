@@ -177,3 +177,54 @@ def test_cross_entropy_matches_summed_logprobs(tmp_path):
     logprobs = client.save_weights_and_get_sampling_client().compute_logprobs(
         facade.ModelInput.from_ints(tokens)).result()
     assert logprobs[0] is None and torch.allclose(torch.tensor(logprobs[1:]), lp, atol=1e-6)
+
+
+def test_on_policy_distillation_the_cookbook_way(tmp_path):
+    """tinker-cookbook's on-policy distillation with the facade's calls only: a teacher sampling client from
+    `ServiceClient.create_sampling_client(model_path=...)`, its `compute_logprobs` on the student's sampled
+    sequences, advantages = −(log p_student − log p_teacher) per sampled token, `importance_sampling`. The
+    teacher is the tiny model fine-tuned on the task's answers; the student's reverse KL to it falls."""
+    T = facade.types
+    service = facade.ServiceClient(config="tiny", overrides=SMALL, state_dir=str(tmp_path))
+    teacher_trainer = service.create_training_client(base_model="tiny")
+    tokenizer, task = teacher_trainer.get_tokenizer(), teacher_trainer.api.task
+    for step in range(6):                      # supervised: the teacher learns the task's answers
+        datums = []
+        for i in range(8):
+            ex = task.train[(step * 8 + i) % len(task.train)]
+            prompt = task.encode(tokenizer, ex)
+            answer = task.encode_answer(tokenizer, ex)
+            tokens = prompt + answer
+            weights = [0.0] * (len(prompt) - 1) + [1.0] * len(answer)
+            datums.append(T.Datum(model_input=T.ModelInput.from_ints(tokens[:-1]),
+                                  loss_fn_inputs={"target_tokens": tokens[1:], "weights": weights}))
+        teacher_trainer.forward_backward(datums, "cross_entropy").result()
+        teacher_trainer.optim_step(T.AdamParams(learning_rate=3e-3)).result()
+    path = teacher_trainer.save_weights_for_sampler("teacher").result().path
+    teacher = service.create_sampling_client(model_path=path)
+    with pytest.raises(ValueError, match="no training client"):
+        service.create_sampling_client(model_path="covrl://sampler/nobody@3")
+
+    student = service.create_training_client(base_model="tiny")
+    params = T.SamplingParams(max_tokens=6, temperature=1.0)
+    kls = []
+    for step in range(12):
+        sampler = student.save_weights_and_get_sampling_client(name=f"s{step}")
+        datums, diffs = [], []
+        for i in range(4):
+            prompt = task.encode(tokenizer, task.train[(step * 4 + i) % len(task.train)])
+            for seq in sampler.sample(T.ModelInput.from_ints(prompt), 4, params).result().sequences:
+                tokens, ob = prompt + seq.tokens, len(prompt) - 1
+                teacher_lp = teacher.compute_logprobs(T.ModelInput.from_ints(tokens)).result()[1:]
+                reverse_kl = [s - t for s, t in zip(seq.logprobs, teacher_lp[ob:])]
+                diffs += reverse_kl
+                datums.append(T.Datum(model_input=T.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+                    "target_tokens": tokens[1:], "logprobs": [0.0] * ob + list(seq.logprobs),
+                    "advantages": [0.0] * ob + [-d for d in reverse_kl]}))
+        student.forward_backward(datums, "importance_sampling").result()
+        student.optim_step(T.AdamParams(learning_rate=3e-3)).result()
+        kls.append(sum(diffs) / len(diffs))
+    first, last = sum(kls[:3]) / 3, sum(kls[-3:]) / 3
+    print("reverse KL per token, by step:", [round(k, 3) for k in kls])
+    assert first > 0.1, kls                    # the teacher differs from the student at the start
+    assert last < 0.5 * first, kls             # and the student's reverse KL to it falls

@@ -475,7 +475,8 @@ class SamplingClient:
         batch = TrainBatch.from_sequences([tokens[:1]], [tokens[1:]])
         temperature, owner.temperature = owner.temperature, 1.0
         try:
-            lp = owner.forward(batch).logprobs[0].tolist()
+            with self.api._weights_held():    # a snapshot's client scores with the snapshot's weights
+                lp = owner.forward(batch).logprobs[0].tolist()
         finally:
             owner.temperature = temperature
         return APIFuture([None, *lp])
@@ -493,6 +494,7 @@ class ServiceClient:
         self.config = resolve_config(config, overrides)
         self.warmup = warmup
         self.state_dir = state_dir
+        self._training_clients: list[TrainingClient] = []   # newest last: they own the covrl://sampler/ paths
 
     def _model_section(self, base_model: str) -> dict[str, Any]:
         if base_model in ("tiny", "smollm2") or "smollm2-135m" in base_model.lower():
@@ -505,9 +507,29 @@ class ServiceClient:
         model = self.config.model.model_copy(update={**self._model_section(base_model), "lora": lora})
         run = self.config.run if seed is None else self.config.run.model_copy(update={"seed": int(seed)})
         cfg = self.config.model_copy(update={"model": model, "run": run})
-        return TrainingClient(_ApiTrainingClient.from_config(cfg, warmup=self.warmup, lora_after_warmup=True,
-                                                             state_dir=self.state_dir),
-                              base_model)
+        client = TrainingClient(_ApiTrainingClient.from_config(cfg, warmup=self.warmup, lora_after_warmup=True,
+                                                               state_dir=self.state_dir),
+                                base_model)
+        self._training_clients.append(client)
+        return client
+
+    def create_sampling_client(self, base_model: str | None = None, model_path: str | None = None,
+                               **_: Any) -> SamplingClient:
+        """A client to sample from or score with (e.g. a distillation teacher's `compute_logprobs`):
+        `model_path` a `covrl://sampler/<name>@<version>` path that a training client of this ServiceClient
+        saved (`save_weights_for_sampler`), else the model `base_model` names (as for training clients: a known
+        model or a local transformers folder, built as this ServiceClient builds them)."""
+        if model_path is not None:
+            for owner in reversed(self._training_clients):
+                try:
+                    return owner.create_sampling_client(model_path)
+                except ValueError:
+                    continue
+            raise ValueError(f"model_path {model_path!r}: no training client of this ServiceClient saved it "
+                             "(save_weights_for_sampler returns such paths)")
+        if base_model is None:
+            raise ValueError("create_sampling_client: give base_model or model_path")
+        return self._client(base_model, None, None).save_weights_and_get_sampling_client()
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
@@ -530,6 +552,7 @@ class ServiceClient:
 
     create_lora_training_client_async = _async("create_lora_training_client")
     create_training_client_async = _async("create_training_client")
+    create_sampling_client_async = _async("create_sampling_client")
 
 
 __all__ = ["APIFuture", "AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "LoadWeightsResponse",

@@ -12,6 +12,10 @@ everything else, and torch ops of the two threads compete for them; (2) the GIL:
 Python code between small torch ops, so with a tiny model the two threads mostly take turns; (3) weight sync:
 each step clones the weights for the sampler. Larger models spend more time inside torch kernels (GIL released)
 and overlap better; Ray actors avoid the GIL entirely but pay process start-up and object-store copies.
+
+Mode `partial` is `async` with `async_loop.partial_rollouts`: weights reach the chunk in flight. It is measured
+beside `async` for throughput and for the token lag (trainer version − the version that drew each token).
+`--repeats N` runs the modes N times, alternating their order, and reports each mode's median.
 """
 
 from __future__ import annotations
@@ -44,7 +48,9 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--staleness", type=int, default=1, help="async staleness bound in steps")
     parser.add_argument("--chunk-prompts", type=int, default=None, help="prompts per generate call (async)")
     parser.add_argument("--modes", default="sync,async,process,ray",
-                        help="comma-separated subset of sync, async (sampler thread), process (sampler process), ray")
+                        help="comma-separated subset of sync, async (sampler thread), partial (async with "
+                             "partial rollouts), process (sampler process), ray")
+    parser.add_argument("--repeats", type=int, default=1, help="runs per mode, alternating the order; medians")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--sft-steps", type=int, default=20, help="supervised warm-up (tiny model) so rewards vary")
     parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
@@ -54,7 +60,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 def _config(args, mode: str, run_root: Path):
     over = {
         "run.output_dir": str(run_root), "run.name": f"bench-{mode}", "run.num_threads": args.threads,
-        "loop.mode": "async" if mode == "process" else mode, "loop.steps": args.steps,
+        "loop.mode": "async" if mode in ("process", "partial") else mode, "loop.steps": args.steps,
+        "async_loop.partial_rollouts": mode == "partial",
         "async_loop.local_backend": "process" if mode == "process" else "thread", "loop.prompts_per_step": args.prompts_per_step,
         "loop.group_size": args.group_size, "sampler.max_new_tokens": args.max_new_tokens,
         "sampler.max_batch": args.prompts_per_step * args.group_size, "sampler.share_weights": "never",
@@ -86,7 +93,7 @@ def _measure(mode: str, cfg, records_key: str = "metrics.jsonl") -> dict:
         summary = train_sync(run)
         wall = time.perf_counter() - t0
         run.close()
-    elif mode in ("async", "process"):
+    elif mode in ("async", "process", "partial"):
         run = prepare_async_run(cfg, console=False)
         t0 = time.perf_counter()
         summary = train_async(run)
@@ -127,11 +134,24 @@ def _measure(mode: str, cfg, records_key: str = "metrics.jsonl") -> dict:
         out["sync_s"] = sum(r.get("time/sync", 0.0) for r in records)
     else:
         a = summary["async"]
-        out.update({"staleness_mean": sum(r["async/staleness_mean"] for r in records) / max(1, len(records)),
+        n = max(1, len(records))
+        out.update({"staleness_mean": sum(r["async/staleness_mean"] for r in records) / n,
+                    "token_lag_mean": sum(r.get("async/token_lag_mean", 0.0) for r in records) / n,
+                    "mixed_rows_frac": sum(r.get("async/mixed_rows_frac", 0.0) for r in records) / n,
+                    "response_length_mean": sum(r.get("response/length_mean", 0.0) for r in records) / n,
                     "staleness_max": max((r["async/staleness_max"] for r in records), default=0.0),
                     "sampler_idle_frac": a["sampler_idle_frac"], "trainer_idle_frac": a["trainer_idle_frac"],
                     "kl_seq_mean": sum(r.get("kl_seq", 0.0) for r in records) / max(1, len(records))})
     return out
+
+
+MODES = ("sync", "async", "partial", "process", "ray")
+
+
+def _median_run(runs: list[dict]) -> dict:
+    """The run of median rollouts/s (an actual run, so its statistics belong together)."""
+    ordered = sorted(runs, key=lambda x: x["rollouts_per_s"])
+    return dict(ordered[(len(ordered) - 1) // 2])
 
 
 def run(args: argparse.Namespace) -> int:
@@ -146,9 +166,9 @@ def run(args: argparse.Namespace) -> int:
         args.modes = ",".join(m for m in args.modes.split(",") if m not in ("ray", "process"))
     torch.set_num_threads(args.threads)
     modes = [m.strip() for m in args.modes.split(",") if m.strip()]
-    unknown = [m for m in modes if m not in ("sync", "async", "process", "ray")]
+    unknown = [m for m in modes if m not in MODES]
     if unknown:
-        raise SystemExit(f"unknown mode(s) {unknown}; choose from sync, async, process, ray")
+        raise SystemExit(f"unknown mode(s) {unknown}; choose from {', '.join(MODES)}")
     if "ray" in modes:
         try:
             import ray  # noqa: F401
@@ -156,23 +176,33 @@ def run(args: argparse.Namespace) -> int:
             print("ray is not installed (pip install 'covrl[ray]'): skipping the ray mode")
             modes.remove("ray")
     results: dict = {"settings": vars(args).copy(), "cpu_count": os.cpu_count(), "modes": {}}
+    runs: dict[str, list[dict]] = {m: [] for m in modes}
     with tempfile.TemporaryDirectory(prefix="covrl-bench-async-") as tmp:
-        for mode in modes:
-            results["modes"][mode] = _measure(mode, _config(args, mode, Path(tmp)))
+        for r in range(max(1, args.repeats)):    # alternate the order: the shared cores' drift hits both sides
+            for mode in (modes if r % 2 == 0 else modes[::-1]):
+                runs[mode].append(_measure(mode, _config(args, mode, Path(tmp) / f"r{r}")))
+    for mode in modes:
+        results["modes"][mode] = _median_run(runs[mode])
+        if len(runs[mode]) > 1:
+            results["modes"][mode]["rollouts_per_s_runs"] = [x["rollouts_per_s"] for x in runs[mode]]
     sync = results["modes"].get("sync")
     if sync:
         gen, train = sync["generate_s"], sync["train_s"]
         results["ideal_overlap_ratio"] = (gen + train) / max(gen, train, 1e-9)
         results["sync_generate_fraction"] = gen / max(gen + train, 1e-9)
-    lines = ["| mode | rollouts/s | vs sync | staleness mean / max | sampler idle | trainer idle | trainer step ms "
-             "| loop s |", "|---|---|---|---|---|---|---|---|"]
+    lines = ["| mode | rollouts/s | vs sync | staleness mean / max | token lag mean | mixed rows | sampler idle "
+             "| trainer idle | trainer step ms | loop s |", "|---|---|---|---|---|---|---|---|---|---|"]
+    reference = "sync" if sync else modes[0]
+    base = results["modes"][reference]["rollouts_per_s"]
+    lines[0] = lines[0].replace("vs sync", f"vs {reference}")
     for mode, r in results["modes"].items():
-        ratio = r["rollouts_per_s"] / sync["rollouts_per_s"] if sync else float("nan")
-        r["ratio_to_sync"] = ratio
+        ratio = r["rollouts_per_s"] / base
+        r["ratio_to_sync" if sync else f"ratio_to_{reference}"] = ratio
         st = "-" if mode == "sync" else f"{r['staleness_mean']:.2f} / {r['staleness_max']:.0f}"
         idle_s = "-" if mode == "sync" else f"{r['sampler_idle_frac']:.0%}"
         idle_t = "-" if mode == "sync" else f"{r['trainer_idle_frac']:.0%}"
-        lines.append(f"| {mode} | {r['rollouts_per_s']:.1f} | {ratio:.2f}x | {st} | {idle_s} | {idle_t} | "
+        lag = "- | -" if mode == "sync" else f"{r['token_lag_mean']:.2f} | {r['mixed_rows_frac']:.0%}"
+        lines.append(f"| {mode} | {r['rollouts_per_s']:.1f} | {ratio:.2f}x | {st} | {lag} | {idle_s} | {idle_t} | "
                      f"{r['trainer_step_ms']:.0f} | {r['loop_s']:.1f} |")
     note = ""
     if sync:
@@ -180,9 +210,10 @@ def run(args: argparse.Namespace) -> int:
                 f"({results['sync_generate_fraction']:.0%} generation): a perfect two-stage overlap would give "
                 f"{results['ideal_overlap_ratio']:.2f}x. Machine: {os.cpu_count()} CPUs, load average "
                 f"{os.getloadavg()[0]:.1f}; model {args.model}, B = {args.prompts_per_step * args.group_size} "
-                f"rollouts/step, {args.steps} steps, staleness bound {args.staleness}.")
-    name = "async" + ("-quick" if args.quick else f"-{args.model}")
-    headline = ", ".join(f"{mode} {r['ratio_to_sync']:.2f}x" for mode, r in results["modes"].items()
-                         if mode != "sync") + " sync rollouts/s"
+                f"rollouts/step, {args.steps} steps, staleness bound {args.staleness}, "
+                f"{max(1, args.repeats)} run(s) per mode (medians).")
+    name = "async" + ("-quick" if args.quick else f"-{args.model}") + ("-partial" if "partial" in modes else "")
+    headline = ", ".join(f"{mode} {r['rollouts_per_s'] / base:.2f}x" for mode, r in results["modes"].items()
+                         if mode != reference) + f" {reference} rollouts/s"
     write_bench(name, results, "\n".join(lines) + note, Path(args.out), headline=headline)
     return 0
