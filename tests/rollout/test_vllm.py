@@ -480,3 +480,47 @@ def test_the_trainer_replays_vllms_kept_sets_to_the_fp32_floor(tiny, cache, over
         assert fwd.truncation.sampled_outside[m].float().mean() < 0.02
     assert k3[True] < 1e-7 and abs(ratio[True] - 1) < 1e-4, (k3, ratio)
     assert k3[False] > 1e-3 and ratio[False] < 0.99, (k3, ratio)
+
+
+def test_a_teacher_engine_scores_the_drawn_tokens_like_an_fp32_forward(tiny, cache):
+    """distill.engine=vllm: the teacher's own engine (even for the policy's shape) gives log p of the drawn
+    tokens at the fp32 floor of a full HF forward, and the policy's engine is not disturbed."""
+    from covrl.rollout.vllm import build_vllm_sampler
+
+    model, tok = tiny
+    policy, cfg = vllm_sampler(model, tok, cache)
+    teacher_model = perturbed_copy(model)
+    teacher = build_vllm_sampler(SamplerConfig(backend="vllm", max_new_tokens=1, vllm={"model_cache": cache}),
+                                 teacher_model, tok, role="teacher")
+    assert teacher.llm is not policy.llm
+    batch = policy.generate(PROMPTS, 3, generator=torch.Generator().manual_seed(0))
+    scored = teacher.score(batch)
+    expected = recompute(teacher_model, batch, SamplerConfig(temperature=1.0))
+    mask = batch.response_mask > 0
+    assert (scored - expected)[mask].abs().max() < LOGPROB_TOL
+    assert (scored[~mask] == 0).all()
+    again = policy.generate(PROMPTS, 3, generator=torch.Generator().manual_seed(0))   # still the policy's
+    assert torch.equal(again.response_ids, batch.response_ids)
+
+
+def test_distillation_with_the_teacher_in_its_own_engine_equals_the_trainers_copy(tmp_path, cache):
+    """Two OPD steps with distill.engine=vllm and with distill.engine=trainer: the same rollouts, and the
+    teacher's signal agrees to the engine floor; temperatures != 1 are refused with the reason."""
+    teacher = {"distill.teacher.source": "tiny", **{f"distill.teacher.tiny.{k}": v for k, v in SHAPE.items()},
+               "algorithm.loss": "reinforce", "loop.steps": 2}
+    runs = {}
+    for engine in ("trainer", "vllm"):
+        cfg = run_cfg(tmp_path / engine, cache, **teacher, **{"distill.engine": engine})
+        run = prepare_run(named(cfg, engine), console=False)
+        try:
+            train_sync(run)
+        finally:
+            run.close()
+        runs[engine] = read_jsonl(run.run_dir / "metrics.jsonl")
+    for a, b in zip(runs["trainer"], runs["vllm"]):
+        assert a["reward/mean"] == b["reward/mean"]
+        assert a["distill/token_kl"] == pytest.approx(b["distill/token_kl"], abs=1e-4)
+        assert a["distill/teacher_logprob"] == pytest.approx(b["distill/teacher_logprob"], abs=1e-4)
+    cfg = run_cfg(tmp_path / "hot", cache, **teacher, **{"distill.engine": "vllm", "sampler.temperature": 0.7})
+    with pytest.raises(ValueError, match="temperature 1"):
+        prepare_run(named(cfg, "hot"), console=False)

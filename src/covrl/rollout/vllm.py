@@ -226,8 +226,9 @@ _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
 
 def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int, max_model_len: int | None,
-            lora_rank: int | None = None, head_dim: int | None = None):
-    key = (str(folder), dtype, vcfg.model_dump_json(), max_logprobs, max_model_len, lora_rank)
+            lora_rank: int | None = None, head_dim: int | None = None, role: str = "policy"):
+    # `role`: a teacher's engine is its own, even for a model of the policy's shape (one set of weights each)
+    key = (str(folder), dtype, vcfg.model_dump_json(), max_logprobs, max_model_len, lora_rank, role)
     if key in _ENGINES:
         return _ENGINES[key]
     env = _start_env(vcfg)
@@ -316,7 +317,7 @@ _DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.floa
 class VLLMSampler:
     """`sampler.backend: vllm` (see the module docstring)."""
 
-    def __init__(self, cfg, model, tokenizer):
+    def __init__(self, cfg, model, tokenizer, *, role: str = "policy"):
         self.cfg = cfg
         self.vcfg: VLLMEngineConfig = cfg.vllm
         self.tokenizer = tokenizer
@@ -331,7 +332,7 @@ class VLLMSampler:
         self._entry = _engine(self.folder, self.dtype, self.vcfg, max(20, cfg.return_topk),
                               self.vcfg.max_model_len or self.context,
                               None if self._peft_config is None else int(self._peft_config.r),
-                              head_dim=_head_dim(model))
+                              head_dim=_head_dim(model), role=role)
         self.llm = self._entry["llm"]
         self._vllm = self._entry["vllm"]
         self.version = 0
@@ -462,6 +463,28 @@ class VLLMSampler:
         return self._assemble(rows, [o.outputs[0] for o in outputs], n, version,
                               RolloutTiming(generate_s=elapsed))
 
+    def score(self, batch: RolloutBatch) -> torch.Tensor:
+        """[B, T] float32: log p(y_t | c_t) of each response token under this engine's weights, at temperature 1
+        over the whole vocabulary (vLLM's prompt log-probs of prompt + response; 0 on padding). One request per
+        row, `max_tokens=1`; the engine's prefix cache serves a group's shared prompt once."""
+        if self._entry["owner"] != id(self):
+            raise RuntimeError("this vLLM engine now holds another model's weights; call load_weights first")
+        rows, starts = [], []
+        for i in range(len(batch)):
+            prompt = batch.prompt_ids[i][batch.prompt_mask[i] > 0].tolist()
+            n = int(batch.response_mask[i].sum())
+            rows.append(prompt + batch.response_ids[i, :n].tolist())
+            starts.append(len(prompt))
+        params = self._vllm.SamplingParams(n=1, temperature=1.0, max_tokens=1, prompt_logprobs=0,
+                                           detokenize=False, seed=0)
+        outputs = self._submit([{"prompt_token_ids": r} for r in rows], [params] * len(rows))
+        out = torch.zeros(batch.response_ids.shape, dtype=torch.float32)
+        for i, (r, start, o) in enumerate(zip(rows, starts, outputs)):
+            lps = o.prompt_logprobs   # position j: {token id: Logprob} of r[j] given r[:j] (None at j = 0)
+            for t, j in enumerate(range(start, len(r))):
+                out[i, t] = float(lps[j][r[j]].logprob)
+        return out.to(batch.response_ids.device)
+
     def _submit(self, reqs, params):
         lora = self._lora_request   # None unless lora_sync=adapter
         if not self._entry["process"]:
@@ -519,7 +542,7 @@ class VLLMSampler:
             sampler_topk_ids=topk_ids, sampler_topk_logprobs=topk_lp, timing=timing)
 
 
-def build_vllm_sampler(cfg, model, tokenizer) -> VLLMSampler:
+def build_vllm_sampler(cfg, model, tokenizer, *, role: str = "policy") -> VLLMSampler:
     if not vllm_available():
         require("vllm", "vllm")   # raises MissingExtraError naming the extra
-    return VLLMSampler(cfg, model, tokenizer)
+    return VLLMSampler(cfg, model, tokenizer, role=role)

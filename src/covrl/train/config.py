@@ -162,6 +162,10 @@ class DistillConfig(Section):
     coef: float = Field(1.0, gt=0, description="weight of the per-token reverse-KL signal")
     reward_weight: float = Field(0.0, ge=0, description="weight of the task's advantages mixed in (0: pure "
                                                         "distillation; the rewards are still scored and logged)")
+    engine: Literal["trainer", "vllm"] = Field(
+        "trainer", description="where the teacher scores: trainer (a frozen copy in the trainer's process, on its "
+                               "device, every rank) or vllm (its own vLLM engine with sampler.vllm's options, "
+                               "prompt log-probs at temperature 1 over the whole vocabulary; one trainer process)")
 
 
 class LoopConfig(Section):

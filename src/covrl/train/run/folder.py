@@ -27,7 +27,8 @@ import torch
 import torch.distributed as dist
 
 from covrl.models import frozen_copy, load_model
-from covrl.rollout import build_sampler
+from covrl.rollout import SamplerConfig, build_sampler, truncation_rule
+from covrl.rollout.vllm import build_vllm_sampler
 from covrl.settings import dump_config
 from covrl.tasks import build_task
 from covrl.train.run import checkpoint as ckpt
@@ -416,7 +417,24 @@ def build_teacher(cfg: TrainConfig, tokenizer, device):
         raise ValueError(f"distill.teacher ({cfg.distill.teacher.source} {cfg.distill.teacher.path or ''}) has "
                          "another tokenizer than the student: on-policy distillation compares the log-probs of the "
                          "same token ids, so teacher and student must share one vocabulary")
+    if cfg.distill.engine == "vllm":
+        return _vllm_teacher(cfg, teacher, teacher_tok)
     return frozen_copy(teacher.to(device))
+
+
+def _vllm_teacher(cfg: TrainConfig, teacher, tokenizer):
+    """The teacher in its own vLLM engine (distill.engine=vllm): it scores with vLLM's prompt log-probs, the
+    model's distribution at temperature 1 over the whole vocabulary, so the settings that would score another
+    distribution are refused."""
+    if cfg.sampler.temperature != 1.0 or truncation_rule(cfg.sampler).active:
+        raise ValueError(f"distill.engine=vllm scores the teacher at temperature 1 over the whole vocabulary; "
+                         f"sampler.temperature={cfg.sampler.temperature}, top_k={cfg.sampler.top_k}, "
+                         f"top_p={cfg.sampler.top_p}, min_p={cfg.sampler.min_p} need distill.engine=trainer")
+    if cfg.trainer.parallel != "none":
+        raise ValueError(f"distill.engine=vllm serves one trainer process; under trainer.parallel="
+                         f"{cfg.trainer.parallel} use distill.engine=trainer (each rank scores its rows)")
+    scfg = SamplerConfig(backend="vllm", vllm=cfg.sampler.vllm, max_new_tokens=1)
+    return build_vllm_sampler(scfg, teacher, tokenizer, role="teacher")
 
 
 def rebuild_initial_model(cfg: TrainConfig):

@@ -253,7 +253,7 @@ class Trainer:
             return self._skip(metrics, "empty generations: the batch holds no response tokens", t_start)
         own = None if self.parallel is None else shard_rows(batch.group_ids, self.parallel.world, self.parallel.rank)
         rewards, ref_lp = self._reference(batch, own, metrics)
-        teacher_lp = None if self.teacher is None else self._reference_logprobs(batch, own, self.teacher)
+        teacher_lp = None if self.teacher is None else self._teacher_logprobs(batch, own)
         plan = self._plan(batch, rewards, own)
         acc = self._accumulate(batch, rewards, ref_lp, plan, teacher_lp)
         if acc.bad is not None:
@@ -298,6 +298,13 @@ class Trainer:
         return rewards, ref_lp
 
     @torch.no_grad()
+    def _teacher_logprobs(self, batch: RolloutBatch, own: list[int] | None) -> torch.Tensor:
+        """The distillation teacher's log-probs of the drawn tokens: a frozen module in this process, or an
+        engine of its own (distill.engine=vllm) that scores the batch."""
+        if isinstance(self.teacher, torch.nn.Module):
+            return self._reference_logprobs(batch, own, self.teacher)
+        return self.teacher.score(batch).float() * batch.train_mask.float()
+
     def _reference_logprobs(self, batch: RolloutBatch, own: list[int] | None = None, model=None) -> torch.Tensor:
         """The log-probs of the full batch under a frozen model: the KL reference (default) or the distillation
         teacher. Distributed (`own`: this rank's rows): each rank forwards its shard through its replica and one
