@@ -65,6 +65,9 @@ class RunConfig(Section):
                             "among local trainer ranks; covrl.train.run.threads) or null (torch's default: one per "
                             "core); results depend on it")
     save_initial: bool = Field(False, description="save the weights at the start of RL in checkpoints/initial/")
+    stall_warning_s: float = Field(300.0, ge=0, description="print what the run waits for when one phase of a step "
+                                   "(rollouts, training, weight push, evaluation, checkpoint) lasts this long, and "
+                                   "again each further period; 0 = never")
 
     @field_validator("num_threads", mode="before")
     @classmethod

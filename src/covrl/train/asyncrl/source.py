@@ -167,6 +167,17 @@ class AsyncSource:
     def evaluate(self, label: str) -> dict[str, Any]:
         return self.pool.evaluate(label)
 
+    def waiting_for(self) -> str:
+        st = self.state
+        with st.cond:
+            mgr = st.manager
+            text = (f"the queue holds {mgr.queue_depth} finished rollouts of the {st.batch_rollouts} a step takes, "
+                    f"{mgr.outstanding} admitted; sampler(s): {st.num_samplers}, at version "
+                    f"{getattr(self.run.sampler, 'version', '?')}, trainer at {self.run.trainer.version}")
+        if st.error is not None:
+            text += f"; a sampler worker failed: {st.error!r}"
+        return text
+
     def stop(self) -> None:
         if not self._stopped:
             self._stopped = True

@@ -18,6 +18,7 @@ from typing import Any
 from covrl.rollout.types import ScoredBatch
 from covrl.train.run.folder import Run
 from covrl.train.run.sources import RolloutSource, SourceBatch, build_sync_source, score_rollouts
+from covrl.train.run.watchdog import ProgressWatchdog
 from covrl.train.step.results import StepResult
 from covrl.train.step.trainer import TrainingDivergedError
 
@@ -64,6 +65,9 @@ def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) 
     `checkpoint.every_rollouts` and at the end. Returns the summary."""
     cfg, trainer = run.cfg, run.trainer
     lcfg = cfg.loop
+    watchdog = ProgressWatchdog(cfg.run.stall_warning_s, lambda text: run.message(text, warning=True),
+                                getattr(source, "waiting_for", None))
+    watchdog.beat("evaluating before training", run.step)
     if run.step == 0 and not run.evals and cfg.eval.before:
         source.evaluate("before")
     done_now = 0
@@ -71,13 +75,16 @@ def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) 
         source.start()
         while run.step < lcfg.steps and (stop_after is None or done_now < stop_after):
             t_step = time.perf_counter()
+            watchdog.beat("waiting for the step's rollouts", run.step, ask_source=True)
             sb: SourceBatch = source.next_batch(trainer.version)
+            watchdog.beat("training step")
             result = trainer.step(sb.batch)
             source.step_done(result)
             run.step += 1
             done_now += 1
             t0 = time.perf_counter()
             if run.step % cfg.sampler.sync_every == 0 or run.step == lcfg.steps:
+                watchdog.beat("pushing weights to the sampler")
                 source.publish(run.model, trainer.version)
             sync_s = time.perf_counter() - t0
             record = step_record(run, sb.batch, result, step_s=time.perf_counter() - t_step, sync_s=sync_s)
@@ -95,10 +102,13 @@ def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) 
             run.log(record)
             every = cfg.eval.every_rollouts
             if every and trainer.rollouts // every > run.last_eval_rollouts // every:
+                watchdog.beat("evaluating")
                 source.evaluate(f"rollouts-{trainer.rollouts}")
             run.last_eval_rollouts = trainer.rollouts
+            watchdog.beat("writing a checkpoint")
             run.maybe_checkpoint()
     except TrainingDivergedError as err:
+        watchdog.stop()
         source.stop()
         # the step that raised consumed its rollouts and was skipped like the ones before it: log it too
         run.step += 1
@@ -108,27 +118,33 @@ def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) 
         run.finish()
         raise
     except KeyboardInterrupt:
+        watchdog.stop()
         source.stop()
         run.status = "interrupted"
         run.finish()
         raise
     except BaseException:
+        watchdog.stop()
         source.stop()
         if source.failure() is not None:    # a dead background producer: record it in summary.json
             _record_failure(run, source.failure())
         raise
     source.stop()
     if (failure := source.failure()) is not None:
+        watchdog.stop()
         _record_failure(run, failure)
         raise failure
     if run.step >= lcfg.steps:
         if cfg.eval.after:
+            watchdog.beat("evaluating after training")
             source.evaluate("after")
         run.status = "completed"
     else:
         run.status = "stopped"
     if cfg.checkpoint.at_end and trainer.rollouts != run.last_ckpt_rollouts:
+        watchdog.beat("writing the final checkpoint")
         run.save_checkpoint()
+    watchdog.stop()
     summary = run.finish()
     summary.update(source.summary())
     return summary

@@ -69,6 +69,9 @@ class RolloutSource(Protocol):
     def summary(self) -> dict[str, Any]:
         """Keys added to the run's summary (may be empty)."""
 
+    def waiting_for(self) -> str:
+        """What the next batch waits on, for the progress watchdog's report (may be empty)."""
+
 
 def score_rollouts(task, tokenizer, batch: RolloutBatch, examples: list, n: int,
                    positions: list[int] | None = None) -> ScoredBatch:
@@ -127,6 +130,12 @@ class SyncSource:
 
     def start(self) -> None:
         pass
+
+    def waiting_for(self) -> str:
+        cfg = self.run.cfg
+        return (f"the {cfg.sampler.backend} sampler generates {cfg.loop.rollouts_per_step} rollouts of up to "
+                f"{cfg.sampler.max_new_tokens} tokens" + (" (episodes: a tool or environment may be slow)"
+                                                          if cfg.task.env.name else ""))
 
     def next_batch(self, trainer_version: int) -> SourceBatch:
         run = self.run
