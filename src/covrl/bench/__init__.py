@@ -8,4 +8,5 @@ BENCHES: dict[str, str] = {
     "async": "covrl.bench.async_bench",
     "explore": "covrl.bench.explore_bench",
     "distributed": "covrl.bench.distributed_bench",
+    "throughput": "covrl.bench.throughput_bench",
 }
