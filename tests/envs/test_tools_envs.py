@@ -165,3 +165,18 @@ def test_render_plain_and_chat_delta():
     p = prompt_ids(tok, [{"role": "user", "content": "hi"}], tools, chat_template=True)
     text = tok.decode(p)
     assert "You can call these tools" in text and text.endswith("<|im_start|>assistant\n")
+
+
+def test_a_user_tools_first_failure_is_shown_once_for_the_run(tmp_path, capsys):
+    """A TRL environment's tool that raises: the model gets the error text, the first failure's traceback is
+    shown once across every episode's environment, and it never stops the run (the model's observation)."""
+    f = tmp_path / "badtool.py"
+    f.write_text("class Env:\n    def reset(self, **kw):\n        return None\n"
+                 "    def lookup(self, key: str) -> str:\n        '''Look up.\n\n        Args:\n"
+                 "            key: the key\n        '''\n        return {}[key]\n")
+    task = _task(env={"name": f"{f}:Env"})
+    call = '<tool_call>{"name": "lookup", "arguments": {"key": "k"}}</tool_call>'
+    replies = [task.environment().step(call) for _ in range(3)]
+    assert all(r.messages[0]["content"].startswith("Error: KeyError") for r in replies)
+    err = capsys.readouterr().err
+    assert err.count("(the first failure") == 1 and "a call of tool lookup" in err and "badtool.py" in err

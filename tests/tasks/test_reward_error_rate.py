@@ -61,7 +61,7 @@ def test_the_reported_trl_style_reward_now_scores(task_for):
 def test_a_reward_failing_on_most_rows_stops_within_a_few_steps_with_its_first_traceback(task_for):
     shown = []
     task = task_for("mostly_broken", reward_error_window=64, max_reward_error_rate=0.5)
-    task._terms[0][2].report = shown.append      # where the first failure is shown (stderr by default)
+    task._terms[0][2].watch.report = shown.append      # where the first failure is shown (stderr by default)
     ex = task.train[:16]
     completions = ["ok"] + ["x"] * 15              # one success per batch of 16: the old rule never fired
     with pytest.raises(RewardFunctionError) as info:
@@ -77,7 +77,7 @@ def test_a_reward_failing_on_most_rows_stops_within_a_few_steps_with_its_first_t
 def test_a_rare_malformed_row_does_not_stop_the_run(task_for):
     shown = []
     task = task_for("rarely_broken")
-    task._terms[0][2].report = shown.append
+    task._terms[0][2].watch.report = shown.append
     ex = task.train[:16]
     for _ in range(20):
         out = task.score(["malformed"] + ["fine"] * 15, ex)

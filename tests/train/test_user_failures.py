@@ -37,3 +37,41 @@ def test_answers_cut_by_the_token_budget_are_reported(tmp_path, capsys):
     assert "end at sampler.max_new_tokens=1" in out.out + out.err and "cut 100%" in out.out
     summary = json.loads((tmp_path / "cut" / "summary.json").read_text())
     assert summary["response_at_max_frac"] == 1.0
+
+
+ENV = """
+import itertools
+from covrl.tasks import EnvStep
+counter = itertools.count()
+
+class Flaky:
+    tools = []
+    def reset(self, example):
+        return [{"role": "user", "content": example.plain_prompt}]
+    def step(self, text):
+        if next(counter) % EVERY == 0:
+            return {}["score"]          # the environment's own bug: a KeyError
+        return EnvStep(done=True, reward=1.0)
+"""
+
+
+def _env_run(tmp_path, every: int, name: str, capsys):
+    env = tmp_path / f"{name}.py"
+    env.write_text(ENV.replace("EVERY", str(every)))
+    rc = main(["train", "--config", _config(tmp_path, **{"model.tiny.max_positions": 64}), "--no-progress",
+               "--name", name, "loop.steps=8", f"task.env.name={env}:Flaky", "task.reward_error_window=32",
+               "sft_warmup.steps=60", "sft_warmup.lr=3e-3"])   # answers end with EOS: episodes reach env.step
+    return rc, capsys.readouterr().err, json.loads((tmp_path / name / "summary.json").read_text())
+
+
+def test_an_environment_failing_on_most_steps_stops_the_run_with_its_traceback(tmp_path, capsys):
+    rc, err, summary = _env_run(tmp_path, 1, "env-bad", capsys)
+    assert rc == 2 and summary["status"] == "failed" and summary["steps"] <= 3
+    assert err.count("(the first failure") == 1 and "KeyError" in err and "env-bad.py" in err
+    assert "environment" in summary["reason"] and "environment steps" in summary["reason"]
+
+
+def test_an_environment_failing_rarely_is_counted_and_the_run_completes(tmp_path, capsys):
+    rc, err, summary = _env_run(tmp_path, 16, "env-rare", capsys)
+    assert rc == 0 and summary["status"] == "completed"
+    assert err.count("(the first failure") == 1 and "KeyError" in err

@@ -62,9 +62,11 @@ def _fits(sampler, length: int) -> bool:
 
 def generate_episodes(sampler, tokenizer, make_env: Callable, examples: list, n: int, *,
                       generator: torch.Generator, chat_template: bool, max_turns: int,
-                      policy_version: int | None = None, greedy: bool = False) -> EpisodeBatch:
+                      policy_version: int | None = None, greedy: bool = False, failures=None) -> EpisodeBatch:
     """n episodes per example (rows [e0 x n, e1 x n, ...], group ids = example index), one environment from
-    `make_env()` each; every turn generates for all live episodes in one `sampler.generate` call."""
+    `make_env()` each; every turn generates for all live episodes in one `sampler.generate` call. `failures`:
+    the run's FailureWatch (covrl.tasks.failures) of the environment's steps: a step that raises ends its
+    episode at reward 0 and is counted; the first shows its traceback, and too many stop the run."""
     envs = [make_env() for _ in examples for _ in range(n)]
     row_examples = [ex for ex in examples for _ in range(n)]
     episodes = []
@@ -85,6 +87,7 @@ def generate_episodes(sampler, tokenizer, make_env: Callable, examples: list, n:
                                policy_version=policy_version, greedy=greedy)
         timing = timing + out.timing
         still = []
+        steps = failed = 0
         for j, i in enumerate(live):
             ep = episodes[i]
             length = int(out.response_mask[j].sum())
@@ -100,10 +103,14 @@ def generate_episodes(sampler, tokenizer, make_env: Callable, examples: list, n:
             if not toks or toks[-1] not in eos:
                 ep.end = "length"
                 continue
+            steps += 1
             try:
                 step = envs[i].step(ep.final_text)
-            except Exception:  # noqa: BLE001 - a broken environment ends its episode at reward 0, counted
+            except Exception as err:  # noqa: BLE001 - a broken environment ends its episode at reward 0, counted
                 ep.end, ep.reward = "error", 0.0
+                failed += 1
+                if failures is not None:
+                    failures.failed(err, f"episode {i}, turn {turn + 1}", f"message {ep.final_text[:80]!r}")
                 continue
             if step.done:
                 ep.reward = step.reward
@@ -120,6 +127,8 @@ def generate_episodes(sampler, tokenizer, make_env: Callable, examples: list, n:
                 ep.topk_ids.append(torch.zeros((len(delta), K), dtype=torch.long))
                 ep.topk_lp.append(torch.zeros((len(delta), K)))
             still.append(i)
+        if failures is not None:
+            failures.observe(steps, failed)
         live = still
     for ep, env in zip(episodes, envs):
         ep.env_metrics = env.metrics() if hasattr(env, "metrics") else {}

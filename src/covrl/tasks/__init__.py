@@ -3,6 +3,7 @@
 from covrl.tasks.base import Example, RewardOutput
 from covrl.tasks.config import ArithmeticConfig, EnvironmentConfig, LettersConfig, TaskConfig
 from covrl.tasks.environments import ENVIRONMENTS, Environment, EnvStep, build_environment
+from covrl.tasks.failures import FailureWatch, UserCodeError
 from covrl.tasks.registry import TASKS, get_builder
 from covrl.tasks.rewards import REWARDS, RewardFunctionError, load_user_reward, parse_last_number
 from covrl.tasks.task import PromptTooLongError, Task
@@ -13,10 +14,15 @@ def build_task(cfg: TaskConfig) -> Task:
     task = get_builder(cfg.name)(cfg)
     if cfg.env.name is not None:
         task.environment = build_environment(task, cfg.env)
+        # an environment's own failures (reset / step raising) follow the user-reward rule
+        task.env_failures = FailureWatch(
+            f"environment {cfg.env.name}", unit="environment steps", window=cfg.reward_error_window,
+            max_rate=cfg.max_reward_error_rate, limits=f"task.max_reward_error_rate={cfg.max_reward_error_rate} over "
+                                  f"task.reward_error_window={cfg.reward_error_window}")
     return task
 
 
 __all__ = ["ENVIRONMENTS", "REWARDS", "TASKS", "ArithmeticConfig", "EnvStep", "Environment", "EnvironmentConfig",
            "Example", "LettersConfig", "PromptTooLongError",
-           "RewardFunctionError", "RewardOutput", "Task", "TaskConfig", "build_environment", "build_task", "get_builder",
+           "RewardFunctionError", "RewardOutput", "FailureWatch", "UserCodeError", "Task", "TaskConfig", "build_environment", "build_task", "get_builder",
            "load_user_reward", "parse_last_number"]

@@ -26,6 +26,7 @@ from typing import Any, Protocol, runtime_checkable
 
 from covrl.tasks.base import Example
 from covrl.tasks.config import EnvironmentConfig
+from covrl.tasks.failures import FailureWatch
 from covrl.tasks.rewards import RewardRunner, load_user_reward
 from covrl.tasks.task import Task
 from covrl.tasks.tools import Tool, ToolExecutor, parse_tool_calls
@@ -86,9 +87,10 @@ class ToolEnvironment:
     (executed isolated, with `timeout_s`); the first message without a call (or after `max_tool_calls`) is
     the final answer, scored by the task."""
 
-    def __init__(self, task: Task, tools: list[Tool], *, timeout_s: float | None = 5.0, max_tool_calls: int = 4):
+    def __init__(self, task: Task, tools: list[Tool], *, timeout_s: float | None = 5.0, max_tool_calls: int = 4,
+                 failures=None):
         self.task, self.tools = task, tools
-        self.executor = ToolExecutor(tools, timeout_s=timeout_s)
+        self.executor = ToolExecutor(tools, timeout_s=timeout_s, failures=failures)
         self.max_tool_calls = max_tool_calls
         self.turns_with_calls = 0
 
@@ -115,10 +117,11 @@ class TRLEnvironment(ToolEnvironment):
 
     _RESERVED = frozenset({"reset", "get_reward", "step", "close"})
 
-    def __init__(self, task: Task, obj: Any, *, timeout_s: float | None = 5.0, max_tool_calls: int = 4):
+    def __init__(self, task: Task, obj: Any, *, timeout_s: float | None = 5.0, max_tool_calls: int = 4,
+                 failures=None):
         tools = [Tool.from_function(getattr(obj, name), name) for name, _ in inspect.getmembers(obj, callable)
                  if not name.startswith("_") and name not in self._RESERVED and not inspect.isclass(getattr(obj, name))]
-        super().__init__(task, tools, timeout_s=timeout_s, max_tool_calls=max_tool_calls)
+        super().__init__(task, tools, timeout_s=timeout_s, max_tool_calls=max_tool_calls, failures=failures)
         self.obj = obj
         self._runner = RewardRunner(lambda fn, **kw: fn(**kw), name=f"environment {type(obj).__name__}",
                                     timeout_s=timeout_s, on_error="raise", isolate=True)
@@ -216,4 +219,7 @@ def build_environment(task: Task, cfg: EnvironmentConfig) -> EnvFactory:
     if hasattr(cls, "step"):
         takes_task = len(inspect.signature(cls).parameters) > 0
         return lambda: cls(task) if takes_task else cls()
-    return lambda: TRLEnvironment(task, cls(), timeout_s=cfg.tool_timeout_s, max_tool_calls=cfg.max_tool_calls)
+    # the user's tools: their first failure is shown once for the run (never a stop: the model's observation)
+    tool_failures = FailureWatch(f"a tool of {cfg.name}", unit="tool calls", max_rate=None)
+    return lambda: TRLEnvironment(task, cls(), timeout_s=cfg.tool_timeout_s, max_tool_calls=cfg.max_tool_calls,
+                                  failures=tool_failures)

@@ -34,15 +34,14 @@ import inspect
 import math
 import queue
 import re
-import sys
 import threading
 import traceback
-from collections import deque
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 from covrl.tasks.base import Example
+from covrl.tasks.failures import FailureWatch, UserCodeError, format_error
 from covrl.tasks.graders import math_verify_reward, reasoning_gym_reward
 
 RewardFn = Callable[[str, Example], float]
@@ -148,8 +147,8 @@ def overlong_penalty(length: int, max_tokens: int, buffer: int, penalty: float =
     return -penalty * min(max(exceed, 0), buffer) / buffer
 
 
-class RewardFunctionError(RuntimeError):
-    pass
+class RewardFunctionError(UserCodeError):
+    """A reward function failed too often (or once, with task.reward_errors=raise)."""
 
 
 def load_user_reward(spec: str) -> RewardFn:
@@ -217,17 +216,6 @@ def trl_kwargs(fn: Callable, completions: list[str], examples: list[Example], an
         return columns
     names = {p.name for p in params}
     return {k: v for k, v in columns.items() if k in names}
-
-
-def _format_error(err: BaseException) -> str:
-    """The exception with its traceback (the user function's frames), or the message of a timeout / a remote
-    error that carries its traceback as text."""
-    remote = getattr(err, "remote_traceback", None)
-    if remote:
-        return remote.rstrip()
-    if isinstance(err, TimeoutError) or err.__traceback__ is None:
-        return f"{type(err).__name__}: {err}"
-    return "".join(traceback.format_exception(type(err), err, err.__traceback__)).rstrip()
 
 
 class _Box:
@@ -330,21 +318,6 @@ class _ProcessWorker:
         self.conn.close()
 
 
-def _print_err(text: str) -> None:
-    print(f"warning: {text}", file=sys.stderr, flush=True)
-
-
-def _hint(err: Exception) -> str:
-    """The likely cause of an error on covrl's Example (code written for another library's rows)."""
-    text = str(err)
-    if "Example" in text and ("subscriptable" in text or "attribute" in text):
-        return (" -- the example is covrl's Example: example.answer, example.prompt, example['field'] for the "
-                "data row's other fields")
-    if isinstance(err, KeyError) and "covrl's Example" in text:
-        return " -- a field the data rows do not have"
-    return ""
-
-
 class RewardRunner:
     """Calls a reward function on a batch with exception isolation and an optional per-call timeout.
 
@@ -368,10 +341,10 @@ class RewardRunner:
         self.max_consecutive_errors = max_consecutive_errors
         self.consecutive_failed_batches = 0
         # the error rate over the last `error_window` completions; the first failure is shown at once
-        self.max_error_rate = max_error_rate
-        self.recent: deque[bool] = deque(maxlen=error_window)
-        self.first_error: str | None = None
-        self.report = report if report is not None else _print_err
+        self.watch = FailureWatch(f"reward function {name}", unit="completions", window=error_window,
+                                  max_rate=max_error_rate, report=report, error=RewardFunctionError,
+                                  limits=f"task.max_reward_error_rate={max_error_rate} over "
+                                         f"task.reward_error_window={error_window}")
         self.timeout_s = timeout_s if (timeout_s and isolate) else None
         self._worker: _Worker | None = None
         # process isolation: the user function runs in a spawned process loaded from this spec
@@ -430,7 +403,7 @@ class RewardRunner:
             rewards, errors, timeouts, last = self._call_batch(completions, examples)
         else:
             rewards, errors, timeouts, last = self._call_rows(completions, examples)
-        self._watch_rate(len(completions), errors)
+        self.watch.observe(len(completions), errors)
         if completions and errors == len(completions):
             self.consecutive_failed_batches += 1
             limit = self.max_consecutive_errors
@@ -438,34 +411,17 @@ class RewardRunner:
                 raise RewardFunctionError(
                     f"reward function {self.name} failed on every completion of {self.consecutive_failed_batches} "
                     f"batches in a row (task.max_consecutive_reward_errors={limit}); the run stops instead of "
-                    f"training at reward 0. Its last error:\n{_format_error(last)}") from last
+                    f"training at reward 0. Its last error:\n{format_error(last)}") from last
         else:
             self.consecutive_failed_batches = 0
         return rewards, errors, timeouts
 
-    def _watch_rate(self, calls: int, errors: int) -> None:
-        """Stop when more than `max_error_rate` of the last `error_window` completions failed."""
-        self.recent.extend([True] * errors + [False] * (calls - errors))
-        full = len(self.recent) == self.recent.maxlen
-        rate = sum(self.recent) / max(len(self.recent), 1)
-        if self.max_error_rate is not None and full and rate > self.max_error_rate:
-            raise RewardFunctionError(
-                f"reward function {self.name} failed on {rate:.0%} of its last {len(self.recent)} completions "
-                f"(task.max_reward_error_rate={self.max_error_rate:g} over task.reward_error_window="
-                f"{self.recent.maxlen}); the run stops instead of training on zeros. Its first error:\n"
-                f"{self.first_error}")
-
     def _failed(self, err: Exception, where: str, prompt: str) -> None:
-        if self.first_error is None:   # shown once, at once; later failures are counted (task/errors)
-            self.first_error = (f"reward function {self.name} failed on {where} (prompt {prompt[:80]!r}): "
-                                f"{type(err).__name__}: {err}{_hint(err)}\n{_format_error(err)}")
-            self.report(f"{self.first_error}\n(the first failure: later ones count in task/errors; the run stops "
-                        f"when more than {self.max_error_rate:.0%} of {self.recent.maxlen} completions in a row "
-                        "fail)" if self.max_error_rate is not None else self.first_error)
+        self.watch.failed(err, where, f"prompt {prompt[:80]!r}")   # shown once, at once; later ones counted
         if self.on_error == "raise":
             raise RewardFunctionError(
                 f"reward function {self.name} failed on {where} (prompt {prompt[:80]!r}): "
-                f"{type(err).__name__}: {err}\n{_format_error(err)}") from err
+                f"{type(err).__name__}: {err}\n{format_error(err)}") from err
 
     def _call_rows(self, completions, examples):
         rewards: list[float] = []

@@ -58,6 +58,7 @@ class Task:
         self.num_truncated = 0
         # factory of a fresh Environment per episode (covrl.tasks.environments), set when task.env.name is
         self.environment = None
+        self.env_failures = None   # its FailureWatch (covrl.tasks.failures), set with it
 
     def _runner(self, spec: str, name: str, signature: str, *, user: bool) -> RewardRunner:
         cfg = self.cfg

@@ -144,8 +144,9 @@ class ToolExecutor:
     """Runs parsed calls against `tools` with the user-reward isolation (`RewardRunner`: a worker thread, at most
     `timeout_s` per call; a hang is abandoned, an exception is caught). Counts calls, errors and timeouts."""
 
-    def __init__(self, tools: list[Tool], *, timeout_s: float | None = 5.0):
+    def __init__(self, tools: list[Tool], *, timeout_s: float | None = 5.0, failures=None):
         self.tools = {t.name: t for t in tools}
+        self.failures = failures   # a FailureWatch shared by the run's episodes: user tools' first failure shown
         self._runners = {t.name: RewardRunner(t.fn, name=f"tool {t.name}", timeout_s=timeout_s, on_error="zero",
                                               isolate=True) for t in tools}
         self.calls = self.errors = self.timeouts = 0
@@ -167,5 +168,7 @@ class ToolExecutor:
             return f"Error: {err}"
         except Exception as err:  # noqa: BLE001 - a tool's failure is the model's observation, not the run's
             self.errors += 1
+            if self.failures is not None:
+                self.failures.failed(err, f"a call of tool {call.name}", f"arguments {call.arguments!r:.80}")
             return f"Error: {type(err).__name__}: {err}"
         return result if isinstance(result, str) else json.dumps(result, default=str)

@@ -16,7 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from covrl.models import ModelNotFoundError
-from covrl.tasks import PromptTooLongError, RewardFunctionError
+from covrl.tasks import PromptTooLongError, UserCodeError
 from covrl.train.asyncrl.pools import SamplerWorkerError
 from covrl.train.run.alarm import SyncAlarmError
 from covrl.train.run.checkpoint import CheckpointError
@@ -121,7 +121,7 @@ def _outcome(err: BaseException, name: str, *, setup: bool) -> tuple[int | None,
         return 5, "failed", f"{err}\nstopped; resume with: {again}"   # past the worker restart budget
     if setup and isinstance(err, (ModelNotFoundError, FileNotFoundError, ValueError, CheckpointError)):
         return 2, "failed", str(err)
-    if isinstance(err, (PromptTooLongError, RewardFunctionError, DynamicSamplingError, CheckpointError)):  # mid-run
+    if isinstance(err, (PromptTooLongError, UserCodeError, DynamicSamplingError, CheckpointError)):  # mid-run
         return (4 if isinstance(err, CheckpointError) else 2), "failed", f"{err}\nstopped; fix the cause, then: {again}"
     return None, "failed", _reason(err)
 
@@ -140,7 +140,7 @@ def print_summary(summary: dict) -> None:
 
 
 def _bad_input_behind(err: BaseException) -> BaseException | None:
-    """The PromptTooLongError / RewardFunctionError in `err`'s cause chain (through Ray's wrapper of a remote
+    """The PromptTooLongError / UserCodeError in `err`'s cause chain (through Ray's wrapper of a remote
     exception too), or None."""
     seen: set[int] = set()
     current: BaseException | None = err
@@ -152,7 +152,7 @@ def _bad_input_behind(err: BaseException) -> BaseException | None:
                 current = unwrap()
             except Exception:  # noqa: BLE001 - an exception Ray cannot rebuild: keep the wrapper
                 pass
-        if isinstance(current, (PromptTooLongError, RewardFunctionError)):
+        if isinstance(current, (PromptTooLongError, UserCodeError)):
             return current
         current = current.__cause__ or current.__context__
     return None

@@ -101,7 +101,7 @@ def generate_batch(sampler, task, tokenizer, task_cfg, examples: list, n: int, *
                              "turn and are not supported; set async_loop.partial_rollouts=false")
         return generate_episodes(sampler, tokenizer, task.environment, examples, n, generator=generator,
                                  chat_template=task_cfg.chat_template, max_turns=task_cfg.env.max_turns,
-                                 policy_version=version)
+                                 policy_version=version, failures=task.env_failures)
     prompts = [task.encode(tokenizer, ex) for ex in examples]
     if refresh is not None:
         return sampler.generate(prompts, n, generator=generator, policy_version=version, refresh=refresh)
