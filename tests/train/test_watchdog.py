@@ -63,3 +63,39 @@ def test_a_healthy_run_says_nothing(tmp_path, capsys):
     finally:
         run.close()
     assert "no progress" not in capsys.readouterr().err
+
+
+def test_ranks_that_never_join_are_named_with_what_to_check(monkeypatch, capsys):
+    """A launch of 2 ranks where the second never starts: rank 0 says it is waiting, then gives up after
+    trainer.timeout_s with an error naming the ranks, the address and what to check."""
+    import pytest
+    import torch.distributed as dist
+
+    from covrl.train.parallel.wrappers import RendezvousError, TrainerConfig, free_port, init_process_group
+
+    port = free_port()
+    for key, value in {"RANK": "0", "WORLD_SIZE": "2", "LOCAL_RANK": "0", "MASTER_ADDR": "127.0.0.1",
+                       "MASTER_PORT": str(port)}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(RendezvousError, match=f"rank 0 of 2: the other ranks did not join at 127.0.0.1:{port}"):
+        init_process_group(TrainerConfig(parallel="ddp", timeout_s=3.0))
+    assert not dist.is_initialized()
+    assert "is waiting at 127.0.0.1" in capsys.readouterr().err
+
+
+def test_a_vllm_engine_that_does_not_start_says_so(monkeypatch, tmp_path, capsys):
+    """An engine whose start takes long says so while it waits; one that fails names the folder and options."""
+    import types
+
+    import pytest
+
+    from covrl.rollout import vllm as backend
+
+    def failing_llm(**kwargs):
+        time.sleep(0.4)
+        raise OSError("no space for the KV cache")
+    monkeypatch.setattr(backend, "require", lambda *a: types.SimpleNamespace(LLM=failing_llm))
+    monkeypatch.setattr(backend, "ENGINE_START_NOTICE_S", 0.1)
+    with pytest.raises(RuntimeError, match="the vLLM engine did not start .* OSError: no space for the KV cache"):
+        backend._engine(tmp_path, "float32", backend.VLLMEngineConfig(), 20, None)
+    assert "has been starting for" in capsys.readouterr().err

@@ -74,7 +74,9 @@ import importlib.util
 import json
 import os
 import shutil
+import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Literal
@@ -179,6 +181,8 @@ def export_model_folder(model, tokenizer, root: str | Path) -> Path:
     return folder
 
 
+ENGINE_START_NOTICE_S = 120.0   # a start that takes longer says so (once)
+
 # (folder, engine options) -> {"llm": vllm.LLM, "owner": id of the sampler whose weights it holds}
 _ENGINES: dict[tuple, dict] = {}
 
@@ -252,12 +256,24 @@ def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int,
     if lora_rank is not None:   # one adapter slot (the policy's), two cached so a sync can add before removing
         kwargs.update(enable_lora=True, max_loras=1, max_cpu_loras=2,
                       max_lora_rank=next(r for r in _VLLM_LORA_RANKS if r >= lora_rank))
+    started = threading.Event()
+
+    def notice() -> None:   # an engine start is 5-40 s on a CPU; a longer one says what it is doing
+        if not started.wait(ENGINE_START_NOTICE_S):
+            print(f"warning: the vLLM engine for {folder.name} ({dtype}, engine_process={vcfg.engine_process}) "
+                  f"has been starting for {ENGINE_START_NOTICE_S:.0f} s", file=sys.stderr, flush=True)
+    threading.Thread(target=notice, name="covrl-vllm-start", daemon=True).start()
     try:
         _check_cpu_head_dim(head_dim)
         t0 = time.perf_counter()
-        llm = vllm.LLM(**kwargs)
+        try:
+            llm = vllm.LLM(**kwargs)
+        except Exception as err:
+            raise RuntimeError(f"the vLLM engine did not start (model folder {folder}, dtype {dtype}, "
+                               f"sampler.vllm options {vcfg.model_dump()}): {type(err).__name__}: {err}") from err
         start_s = time.perf_counter() - t0
     finally:
+        started.set()
         if vcfg.engine_process:   # the child has its environment; this process keeps its own
             for k, v in saved.items():
                 if v is None:

@@ -12,12 +12,14 @@ covrl.train.launch.ray) (docs/distributed.md).
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable
 
 from covrl.train.asyncrl.source import prepare_async_run, train_async
 from covrl.train.launch.exits import run_training, sigterm_as_interrupt
 from covrl.train.launch.ranks import train_distributed
 from covrl.train.launch.ray import train_from_config_ray
+from covrl.train.parallel.wrappers import RendezvousError
 from covrl.train.run.driver import train_sync
 from covrl.train.run.folder import prepare_run
 
@@ -41,5 +43,9 @@ def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
             raise ValueError(f"loop.mode={cfg.loop.mode!r}; allowed: {', '.join([*LOOP_MODES, 'ray'])}")
         prepare_fn, train_fn = LOOP_MODES[cfg.loop.mode]
         if cfg.trainer.parallel != "none":
-            return train_distributed(cfg, prepare_fn, train_fn, config_path=config_path, resume=resume)
+            try:
+                return train_distributed(cfg, prepare_fn, train_fn, config_path=config_path, resume=resume)
+            except RendezvousError as err:   # before any run folder exists: the message is the whole story
+                print(f"error: {err}", file=sys.stderr, flush=True)
+                return 2
         return run_training(cfg, prepare_fn, train_fn, config_path=config_path, resume=resume)

@@ -13,6 +13,8 @@ import contextlib
 import datetime
 import os
 import socket
+import sys
+import threading
 import warnings
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -107,7 +109,7 @@ def init_process_group(cfg: TrainerConfig, device: str = "cpu") -> tuple[int, in
                                  f"{os.environ['WORLD_SIZE']} ranks (WORLD_SIZE)")
             if backend == "nccl":
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            dist.init_process_group(backend, timeout=timeout)
+            _rendezvous(lambda: dist.init_process_group(backend, timeout=timeout), cfg.timeout_s)
         else:
             if (cfg.world_size or 1) > 1:
                 raise ValueError(f"trainer.world_size={cfg.world_size} needs a launcher that starts the ranks: "
@@ -115,6 +117,34 @@ def init_process_group(cfg: TrainerConfig, device: str = "cpu") -> tuple[int, in
             dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{free_port()}", rank=0, world_size=1,
                                     timeout=timeout)
     return dist.get_rank(), dist.get_world_size()
+
+
+class RendezvousError(RuntimeError):
+    """The ranks of a launch did not all arrive at the process group's rendezvous."""
+
+
+def _rendezvous(join, timeout_s: float) -> None:
+    """`join()` the launcher's process group; while it waits, say so once (after a third of the timeout, at
+    most 30 s), and when it gives up, say what it waited for and what to check."""
+    rank, world = os.environ.get("RANK", "?"), os.environ.get("WORLD_SIZE", "?")
+    where = f"{os.environ.get('MASTER_ADDR', '?')}:{os.environ.get('MASTER_PORT', '?')}"
+    done = threading.Event()
+
+    def notice() -> None:
+        if not done.wait(min(30.0, timeout_s / 3)):
+            print(f"warning: rank {rank} of {world} is waiting at {where} for the other ranks to join (gives up "
+                  f"after trainer.timeout_s={timeout_s:g} s)", file=sys.stderr, flush=True)
+    threading.Thread(target=notice, name="covrl-rendezvous", daemon=True).start()
+    try:
+        join()
+    except Exception as err:  # noqa: BLE001 - torch's store errors name neither the ranks nor the cause
+        raise RendezvousError(
+            f"rank {rank} of {world}: the other ranks did not join at {where} within trainer.timeout_s="
+            f"{timeout_s:g} s ({type(err).__name__}: {str(err).splitlines()[0] if str(err) else ''}). Check that "
+            "the launcher started every rank (torchrun --nproc-per-node / --nnodes), that MASTER_ADDR is "
+            "reachable from every node and MASTER_PORT is free there") from err
+    finally:
+        done.set()
 
 
 def free_port(host: str = "127.0.0.1") -> int:
