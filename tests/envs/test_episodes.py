@@ -260,3 +260,40 @@ def test_process_pool_runs_episodes(tmp_path):
     records = read_jsonl(tmp_path / "process" / "metrics.jsonl")
     assert len(records) == 2 and all("task/turns" in r for r in records)
     assert _comparable(records) == _comparable(read_jsonl(tmp_path / "sync" / "metrics.jsonl"))
+
+
+class Coin:
+    """Ends every episode at its first message; reward 1 when the message has an even length (varied groups)."""
+
+    tools: list = []
+
+    def reset(self, example):
+        return [{"role": "user", "content": example.plain_prompt}]
+
+    def step(self, text):
+        return EnvStep(done=True, reward=float(len(text) % 2 == 0))
+
+
+def test_dynamic_sampling_with_episodes_keeps_only_groups_with_contrast(tmp_path, monkeypatch):
+    """DAPO's dynamic sampling on multi-turn episodes: every trained group has unequal rewards, the model-token
+    mask travels with the kept rows, and both data clocks are counted."""
+    from covrl.train.run.sources import DynamicSamplingSource
+
+    monkeypatch.setitem(environments.ENVIRONMENTS, "coin", lambda task, cfg: lambda: Coin())
+    run = _run(tmp_path, "coin", **{"run.name": "dyn", "loop.steps": 3, "loop.dynamic_sampling": True,
+                                    "eval.before": False, "eval.after": False, "algorithm.advantage": "grpo"})
+    run.sampler.eos_ids = sorted(set(run.sampler.eos_ids) | set(run.tokenizer("abcdefghijklm")["input_ids"]))
+    source = build_sync_source(run)
+    assert isinstance(source, DynamicSamplingSource)
+    trained = []
+    step = run.trainer.step
+    run.trainer.step = lambda b: (trained.append(b), step(b))[1]
+    summary = run_loop(run, source)
+    run.close()
+    assert summary["status"] == "completed" and len(trained) == 3
+    for batch in trained:
+        rewards = batch.sequence_rewards.view(-1, 4)
+        assert ((rewards.max(1).values - rewards.min(1).values) > 0).all()
+        assert batch.loss_mask is not None
+    records = read_jsonl(tmp_path / "dyn" / "metrics.jsonl")
+    assert records[-1]["dynamic/generated_rollouts"] >= records[-1]["dynamic/trained_rollouts"]

@@ -222,10 +222,10 @@ class DynamicSamplingSource(SyncSource):
         num_kept = rounds = dropped = generated = 0
         while num_kept < want and rounds < lcfg.dynamic_sampling_max_rounds:
             examples, positions = run.stream.take(want - num_kept)
-            prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
-            batch = run.sampler.generate(prompts, n, generator=run.generator, policy_version=trainer_version)
+            generated_batch = generate_batch(run.sampler, run.task, run.tokenizer, run.cfg.task, examples, n,
+                                             generator=run.generator, version=trainer_version)
             fault_point("generate")
-            scored = score_rollouts(run.task, run.tokenizer, batch, examples, n, positions)
+            scored = score_batch(run.task, run.tokenizer, generated_batch, examples, n, positions)
             rounds += 1
             generated += len(scored)
             # group g: rows g*n .. g*n+n-1
@@ -264,8 +264,5 @@ class DynamicSamplingSource(SyncSource):
 def build_sync_source(run) -> SyncSource:
     """The sync loop's source: episodes for a task with an environment (`task.env.name`), DAPO's dynamic
     sampling with `loop.dynamic_sampling`, else plain completions."""
-    episodes = getattr(run.task, "environment", None) is not None
-    if episodes and run.cfg.loop.dynamic_sampling:
-        raise ValueError("loop.dynamic_sampling is not available for multi-turn episodes (task.env.name) yet")
     # episodes or completions: generate_batch / score_batch dispatch on the task's environment
     return DynamicSamplingSource(run) if run.cfg.loop.dynamic_sampling else SyncSource(run)
