@@ -93,3 +93,43 @@ def test_selection_outside_the_sync_loop_is_refused():
 
     with pytest.raises(ConfigError, match="sync loop"):
         load_config(None, ["selection.strategy=thompson", "loop.mode=async"])
+
+
+def test_adaptive_group_sizes_keep_the_budget_and_favour_pass_rates_near_one_half():
+    stream = DataStream(ITEMS, shuffle=False, seed=0)
+    selector = _selector("uniform", group_sizes="adaptive", min_group_size=2)
+    examples, positions = selector.take(stream, 4, 4)
+    assert selector.group_sizes(stream, positions, 4) == [4, 4, 4, 4]          # no history: equal shares
+    items = [stream.index_at(p) for p in positions]
+    for item, wins in zip(items, (8, 4, 1, 0)):                                  # p̂ = 0.9, 0.5, 0.2, 0.1 (Beta(1,1))
+        selector.successes[item], selector.trials[item] = wins, 8
+    sizes = selector.group_sizes(stream, positions, 4)
+    assert sum(sizes) == 16 and min(sizes) >= 2
+    assert sizes[1] == max(sizes) and sizes[1] > sizes[0] and sizes[2] >= sizes[3]
+    correct = [True] * sum(sizes)
+    selector.observe(stream, positions, correct, sizes, examples)      # rows by each group's own size
+    assert [selector.trials[i] for i in items] == [8 + s for s in sizes]
+
+
+def test_an_adaptive_run_keeps_its_budget_and_resumes_exactly(tmp_path):
+    # 8 prompts revisited every other step, a warm-up that leaves their pass rates apart
+    over = {"selection.group_sizes": "adaptive", "eval.before": False, "eval.after": False, "loop.steps": 5,
+            "checkpoint.every_rollouts": 32, "task.n_train": 8, "sft_warmup.steps": 40, "sft_warmup.lr": 3e-3}
+    run = prepare_run(tiny_cfg(tmp_path, **{"run.name": "full", **over}), console=False)
+    batches = []
+    step = run.trainer.step
+    run.trainer.step = lambda b: (batches.append(b), step(b))[1]
+    train_sync(run)
+    run.close()
+    full = read_jsonl(tmp_path / "full" / "metrics.jsonl")
+    assert all(len(b) == 16 for b in batches)
+    assert any(len(set(torch.bincount(b.group_ids).tolist())) > 1 for b in batches)   # sizes did vary
+    assert all("selection/group_size_max" in r for r in full)
+    cfg = tiny_cfg(tmp_path, **{"run.name": "cut", **over})
+    run = prepare_run(cfg, console=False)
+    train_sync(run, stop_after=2)
+    run.close()
+    run = prepare_run(cfg, resume=True, console=False)
+    train_sync(run)
+    run.close()
+    assert comparable(read_jsonl(tmp_path / "cut" / "metrics.jsonl")) == comparable(full)

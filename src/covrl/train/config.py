@@ -280,6 +280,10 @@ class TrainConfig(Section):
             raise ValueError(f"selection.strategy={self.selection.strategy!r} runs in the sync loop without "
                              "loop.dynamic_sampling (the async pools and dynamic sampling draw the stream "
                              "uniformly)")
+        if self.selection.group_sizes == "adaptive" and (self.loop.mode != "sync" or self.loop.dynamic_sampling
+                                                         or self.task.env.name):
+            raise ValueError("selection.group_sizes=adaptive runs single-turn tasks in the sync loop without "
+                             "loop.dynamic_sampling")
         if self.algorithm.score_centering and int(getattr(self.sampler, "return_topk", 0) or 0) <= 0:
             raise ValueError("algorithm.score_centering=true needs sampler.return_topk > 0 "
                              "(the sampler's top-k log-probs)")

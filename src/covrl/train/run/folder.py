@@ -550,7 +550,7 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     run.register("rng", _GeneratorState(generator))
     run.register("loop", _LoopCounters(run))
     run.selector = PromptSelector(cfg.selection, cfg.run.seed, len(task.train))
-    if cfg.selection.strategy != "uniform":
+    if cfg.selection.strategy != "uniform" or cfg.selection.group_sizes == "adaptive":
         run.register("selection", run.selector)
     run.sync_alarm = SyncAlarm(cfg.sync_alarm, describe_engine=f"sampler.backend={cfg.sampler.backend}, "
                                                                f"dtype {cfg.sampler.dtype or cfg.model.dtype}")

@@ -11,6 +11,11 @@ costs a generation and a forward/backward and teaches nothing. The selector draw
                    P(contrast | p~) = 1 − p~^n − (1 − p~)^n; the posterior is per prompt (Beta, `model=prompt`) or
                    Ensemble++ over the prompt's text features (`model=ensemble`: shared across prompts)
 
+Group sizes (`selection.group_sizes`): `fixed` gives every prompt loop.group_size completions; `adaptive` keeps
+the step's budget k·n and splits it by the expected signal of a group, which grows with n·p(1 − p) (the summed
+variance of its binary rewards): every prompt gets `selection.min_group_size`, the rest goes to the prompts whose
+estimated pass rate p̂ is nearest 1/2, in proportion to p̂(1 − p̂) (largest remainders, ties to stream order).
+
 Every strategy returns k prompts whatever the history says (an all-constant stream cannot stall the run), is
 deterministic at a seed and resumes exactly (its state is checkpointed with the stream). The selected stream
 optimises the reward under the selected prompt distribution, not under the data's: held-out evaluation stays
@@ -45,6 +50,11 @@ class SelectionConfig(Section):
     features: int = Field(64, ge=4, le=4096, description="ensemble: hashed character-trigram features of a prompt")
     particles: int = Field(8, ge=1, le=256, description="ensemble: Ensemble++ particles M")
     prior: tuple[float, float] = Field((1.0, 1.0), description="Beta(a, b) prior of a prompt's pass rate")
+    group_sizes: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="fixed: loop.group_size completions per prompt; adaptive: the step's budget "
+                             "(prompts_per_step x group_size) split by p(1 - p) of each prompt's estimated pass "
+                             "rate, at least min_group_size each (single-turn tasks)")
+    min_group_size: int = Field(2, ge=1, description="adaptive group sizes: the fewest completions of a prompt")
 
 
 def contrast_probability(p: float, n: int) -> float:
@@ -87,6 +97,26 @@ class PromptSelector:
         self._mark(stream, chosen, [self._contrast_estimate(items[i], n) for i in order])
         return [pool[i] for i in order], chosen
 
+    def group_sizes(self, stream, positions: list[int], n: int) -> list[int]:
+        """Completions per chosen prompt: n each (fixed), or the budget len(positions)·n split by p̂(1 − p̂)
+        (adaptive, module docstring). Deterministic given the selector's state."""
+        k = len(positions)
+        if self.cfg.group_sizes == "fixed" or k == 0:
+            return [n] * k
+        low = min(self.cfg.min_group_size, n)
+        weights = [max(self._posterior_mean(stream.index_at(p)) * (1 - self._posterior_mean(stream.index_at(p))),
+                       1e-6) for p in positions]
+        spare = k * n - k * low
+        shares = [spare * w / sum(weights) for w in weights]
+        sizes = [low + int(s) for s in shares]
+        left = k * n - sum(sizes)
+        for i in sorted(range(k), key=lambda i: (-(shares[i] - int(shares[i])), i))[:left]:
+            sizes[i] += 1
+        self._step_sizes = sizes
+        return sizes
+
+    _step_sizes: list[int] | None = None
+
     def _mark(self, stream, positions: list[int], predicted: list[float]) -> None:
         for p, c in zip(positions, predicted):
             self.shown[stream.index_at(p)] = True
@@ -117,14 +147,17 @@ class PromptSelector:
         return [contrast_probability(p, n) for p in samples]
 
     # --------------------------------------------------------------------------------------- feedback
-    def observe(self, stream, positions: list[int], correct, n: int, examples=None) -> None:
-        """The scored groups of `positions` (rows position-major, n each): their pass counts."""
+    def observe(self, stream, positions: list[int], correct, n: int | list[int], examples=None) -> None:
+        """The scored groups of `positions` (rows position-major, n each, or sizes[g] for group g): their pass
+        counts."""
         if correct is None:
             return
+        sizes = [n] * len(positions) if isinstance(n, int) else list(n)
+        starts = [sum(sizes[:g]) for g in range(len(sizes))]
         contrast, brier = [], []
         for g, p in enumerate(positions):
             item = stream.index_at(p)
-            rows = [bool(c) for c in correct[g * n:(g + 1) * n]]
+            rows = [bool(c) for c in correct[starts[g]:starts[g] + sizes[g]]]
             wins = sum(rows)
             self.successes[item] += wins
             self.trials[item] += len(rows)
@@ -139,6 +172,9 @@ class PromptSelector:
                 self._agent.update(x, torch.tensor(wins / max(len(rows), 1) - 0.5, dtype=torch.float64))
         self._step = {"selection/contrast_frac": sum(contrast) / max(len(contrast), 1),
                       "selection/never_shown": float(self.shown.count(False))}
+        if self.cfg.group_sizes == "adaptive":
+            self._step.update({"selection/group_size_min": float(min(sizes, default=0)),
+                               "selection/group_size_max": float(max(sizes, default=0))})
         if brier:
             self._step["selection/contrast_brier"] = sum(brier) / len(brier)
 

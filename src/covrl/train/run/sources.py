@@ -73,28 +73,42 @@ class RolloutSource(Protocol):
         """What the next batch waits on, for the progress watchdog's report (may be empty)."""
 
 
-def score_rollouts(task, tokenizer, batch: RolloutBatch, examples: list, n: int,
+def _sizes(n: int | list[int], k: int) -> list[int]:
+    return [n] * k if isinstance(n, int) else [int(x) for x in n]
+
+
+def score_rollouts(task, tokenizer, batch: RolloutBatch, examples: list, n: int | list[int],
                    positions: list[int] | None = None) -> ScoredBatch:
-    """Decode and score `batch` (the rows of `examples`, n each) with the task's reward: a new ScoredBatch with
-    rewards, per-row verdicts and texts, the task's metrics and `prompt_index` (stream positions, when given)."""
+    """Decode and score `batch` (the rows of `examples`, n each, or n[i] for example i) with the task's reward: a
+    new ScoredBatch with rewards, per-row verdicts and texts, the task's metrics and `prompt_index` (stream
+    positions, when given)."""
     t0 = time.perf_counter()
     texts = decode_responses(tokenizer, batch)
-    row_examples = [ex for ex in examples for _ in range(n)]
+    sizes = _sizes(n, len(examples))
+    row_examples = [ex for ex, size in zip(examples, sizes) for _ in range(size)]
     scored = task.score(texts, row_examples, lengths=batch.response_mask.sum(1).long().tolist())
     task_metrics = {f"task/{k.split('/', 1)[-1]}": float(v) for k, v in scored.metrics.items()
                     if k not in ("reward/mean", "reward/accuracy")}
     if positions is not None:
-        batch = replace(batch, prompt_index=torch.tensor(positions, dtype=torch.long).repeat_interleave(n))
+        batch = replace(batch, prompt_index=torch.tensor(positions, dtype=torch.long).repeat_interleave(
+            torch.tensor(sizes)))
     return batch.scored(torch.tensor(scored.rewards, dtype=torch.float32), correct=scored.correct, texts=texts,
                         task_metrics=task_metrics, score_s=time.perf_counter() - t0)
 
 
-def generate_batch(sampler, task, tokenizer, task_cfg, examples: list, n: int, *, generator: torch.Generator,
-                   version: int, refresh=None) -> RolloutBatch | EpisodeBatch:
+def generate_batch(sampler, task, tokenizer, task_cfg, examples: list, n: int | list[int], *,
+                   generator: torch.Generator, version: int, refresh=None) -> RolloutBatch | EpisodeBatch:
     """n rollouts per example: multi-turn episodes for a task with an environment (`task.env.name`, with
     `task_cfg.chat_template` and `task_cfg.env.max_turns`), else single completions of the encoded prompts.
     Every source and sampler pool generates through here, so the sync, async and Ray loops get the same rows.
-    `refresh`: in-flight weight updates (the sampler's `generate`), single-turn only."""
+    `refresh`: in-flight weight updates (the sampler's `generate`), single-turn only. `n` a list: n[i]
+    completions of example i (adaptive group sizes, single-turn), rows example-major, group ids by example."""
+    if not isinstance(n, int):
+        if getattr(task, "environment", None) is not None or refresh is not None:
+            raise ValueError("adaptive group sizes take single-turn completions in the sync loop")
+        prompts = [task.encode(tokenizer, ex) for ex, size in zip(examples, n) for _ in range(size)]
+        batch = sampler.generate(prompts, 1, generator=generator, policy_version=version)
+        return replace(batch, group_ids=torch.arange(len(examples)).repeat_interleave(torch.tensor(list(n))))
     if getattr(task, "environment", None) is not None:
         if refresh is not None:
             raise ValueError("async_loop.partial_rollouts: multi-turn episodes (task.env) are generated turn by "
@@ -108,7 +122,7 @@ def generate_batch(sampler, task, tokenizer, task_cfg, examples: list, n: int, *
     return sampler.generate(prompts, n, generator=generator, policy_version=version)
 
 
-def score_batch(task, tokenizer, generated: RolloutBatch | EpisodeBatch, examples: list, n: int,
+def score_batch(task, tokenizer, generated: RolloutBatch | EpisodeBatch, examples: list, n: int | list[int],
                 positions: list[int] | None = None) -> ScoredBatch:
     """Score what `generate_batch` returned: episodes by their environment (or the task), completions by the
     task; `prompt_index` from the stream positions, when given."""
@@ -144,13 +158,18 @@ class SyncSource:
             examples, positions = run.stream.take(lcfg.prompts_per_step)
         else:
             examples, positions = run.selector.take(run.stream, lcfg.prompts_per_step, lcfg.group_size)
-        generated = generate_batch(run.sampler, run.task, run.tokenizer, run.cfg.task, examples, lcfg.group_size,
+        sizes = (lcfg.group_size if run.selector is None
+                 else run.selector.group_sizes(run.stream, positions, lcfg.group_size))
+        if isinstance(sizes, list) and len(set(sizes)) <= 1:
+            sizes = lcfg.group_size   # equal sizes: the ordinary batched call (prefills shared, same RNG stream)
+        generated = generate_batch(run.sampler, run.task, run.tokenizer, run.cfg.task, examples, sizes,
                                    generator=run.generator, version=trainer_version)
         fault_point("generate")  # reliability tests: COVRL_FAULT (no-op otherwise)
-        scored = score_batch(run.task, run.tokenizer, generated, examples, lcfg.group_size, positions)
+        scored = score_batch(run.task, run.tokenizer, generated, examples, sizes, positions)
         metrics: dict[str, float] = {}
-        if run.selector is not None and run.cfg.selection.strategy != "uniform":
-            run.selector.observe(run.stream, positions, scored.correct, lcfg.group_size, examples)
+        cfg = run.cfg.selection
+        if run.selector is not None and (cfg.strategy != "uniform" or cfg.group_sizes == "adaptive"):
+            run.selector.observe(run.stream, positions, scored.correct, sizes, examples)
             metrics = run.selector.metrics()
         return SourceBatch(scored, metrics=metrics, examples=tuple(examples))
 
