@@ -136,5 +136,7 @@ def summarize(records: list[dict], rollouts_per_step: int | None = None) -> dict
         "step_tokens_per_s": gen_tokens / total_time,
         "peak_rss_mb": max(r["rss_peak_mb"] for r in records),
         "reward_mean": statistics.fmean(r.get("reward_mean", float("nan")) for r in records),
+        # the fraction of groups whose rewards were all equal (covrl's side logs it per step)
+        "constant_groups_frac": statistics.fmean(r.get("constant_groups", float("nan")) for r in records),
         "mean_load1": statistics.fmean(r["load1"] for r in records),
     }

@@ -43,6 +43,7 @@ def make_covrl_stepper(runner: ArmRunner):
         tokens = float(s.batch.num_response_tokens)
         return {"step_time": s.wall_s, "gen_time": s.wall_generate_s, "gen_tokens": tokens,
                 "trained_tokens": tokens, "reward_mean": float(s.batch.rewards.mean()),
+                "constant_groups": s.metrics.get("zero_variance_groups", float("nan")),
                 "trainer_time": s.metrics.get("time/trainer_step", float("nan")),
                 "forward_backward_time": s.metrics.get("time/forward_backward", float("nan"))}
 
