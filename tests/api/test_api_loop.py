@@ -85,11 +85,16 @@ def test_api_loop_equals_covrl_train(tmp_path, extra):
     assert worst == 0.0
 
 
-def test_repro_harness_equals_covrl_train(tmp_path):
+SELECTED = {**SHORT, "selection.strategy": "thompson", "selection.group_sizes": "adaptive", "task.n_train": 12}
+
+
+@pytest.mark.parametrize("overrides", [SHORT, SELECTED], ids=["default", "selection"])
+def test_repro_harness_equals_covrl_train(tmp_path, overrides):
     """ArmRunner (SamplingClient.sample + score_rollouts + TrainingClient.train_step + weight push) takes the
-    steps `covrl train` takes: same tokens, every metric identical, same final weights."""
-    lib, batches, run = library_run(tmp_path, SHORT)
-    with ArmRunner(Arm(library_config(tmp_path, SHORT, "harness"), tmp_path / "harness")) as runner:
+    steps `covrl train` takes: same tokens, every metric identical, same final weights — also with prompt
+    selection and adaptive group sizes (the harness chooses prompts through the run's selector)."""
+    lib, batches, run = library_run(tmp_path, overrides)
+    with ArmRunner(Arm(library_config(tmp_path, overrides, "harness"), tmp_path / "harness")) as runner:
         steps = []
         runner.drive(STEPS, log=False, after_step=lambda step, rec: steps.append(step))
         assert runner.client.version == STEPS
@@ -101,3 +106,5 @@ def test_repro_harness_equals_covrl_train(tmp_path):
             if k in lib_rec and isinstance(v, (int, float)) and not k.startswith(TIMING) and not math.isnan(v):
                 assert v == lib_rec[k], f"step {step.index}: {k}: harness {v!r} vs covrl train {lib_rec[k]!r}"
     assert all(torch.equal(v, mine_sd[k]) for k, v in run.model.state_dict().items())
+    if overrides is SELECTED:   # the selector did choose: group sizes varied in some step
+        assert any(len(set(torch.bincount(s.batch.group_ids).tolist())) > 1 for s in steps)

@@ -23,7 +23,15 @@ from pathlib import Path
 from typing import Any
 
 from covrl.api import SamplingClient, TrainingClient
-from covrl.train import Run, TrainConfig, prepare_run, score_rollouts
+from covrl.train import (
+    Run,
+    TrainConfig,
+    by_group_sizes,
+    choose_prompts,
+    observe_selection,
+    prepare_run,
+    score_rollouts,
+)
 
 
 @dataclass
@@ -119,9 +127,15 @@ class ArmRunner:
         sampling client (the run's sampler and generator), scored. The sampler's tensors are made under
         inference mode; they are cloned into normal tensors so that the trainer's autograd can use them."""
         run, loop = self.run, self.run.cfg.loop
-        examples, positions = run.stream.take(loop.prompts_per_step)
-        out = self.sampling.sample([run.task.encode(run.tokenizer, ex) for ex in examples], loop.group_size)
-        batch = score_rollouts(run.task, run.tokenizer, out.batch, examples, loop.group_size, positions)
+        examples, positions, sizes = choose_prompts(run, loop.prompts_per_step, loop.group_size)
+        prompts = [run.task.encode(run.tokenizer, ex) for ex in examples]
+        if isinstance(sizes, int):
+            generated = self.sampling.sample(prompts, sizes).batch
+        else:   # adaptive group sizes: one row per completion, grouped by prompt
+            rows = [p for p, size in zip(prompts, sizes) for _ in range(size)]
+            generated = by_group_sizes(self.sampling.sample(rows, 1).batch, sizes)
+        batch = score_rollouts(run.task, run.tokenizer, generated, examples, sizes, positions)
+        observe_selection(run, positions, batch, sizes, examples)
         return replace(batch, **{k: v.clone() for k, v in batch.tensor_fields().items()}), list(examples)
 
     def step(self, on_batch: Callable[[int, Any], dict | None] | None = None) -> Step:

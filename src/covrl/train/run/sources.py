@@ -77,6 +77,32 @@ def _sizes(n: int | list[int], k: int) -> list[int]:
     return [n] * k if isinstance(n, int) else [int(x) for x in n]
 
 
+def by_group_sizes(batch: RolloutBatch, sizes: list[int]) -> RolloutBatch:
+    """A batch generated one row per (prompt, completion) — prompts repeated by `sizes` — with the group ids of
+    its prompts (adaptive group sizes)."""
+    return replace(batch, group_ids=torch.arange(len(sizes)).repeat_interleave(torch.tensor(sizes)))
+
+
+def choose_prompts(run, k: int, n: int) -> tuple[list, list[int], int | list[int]]:
+    """(examples, stream positions, group size or per-prompt sizes) of the next step: the stream's next k, or
+    the run's prompt selector's choice (selection.*); equal sizes come back as one int."""
+    if run.selector is None:
+        examples, positions = run.stream.take(k)
+        return examples, positions, n
+    examples, positions = run.selector.take(run.stream, k, n)
+    sizes = run.selector.group_sizes(run.stream, positions, n)
+    return examples, positions, (sizes if len(set(sizes)) > 1 else n)
+
+
+def observe_selection(run, positions: list[int], scored: ScoredBatch, sizes, examples) -> dict[str, float]:
+    """Tell the selector how the chosen groups scored; its metrics for the step's record."""
+    cfg = run.cfg.selection
+    if run.selector is None or (cfg.strategy == "uniform" and cfg.group_sizes == "fixed"):
+        return {}
+    run.selector.observe(run.stream, positions, scored.correct, sizes, examples)
+    return run.selector.metrics()
+
+
 def score_rollouts(task, tokenizer, batch: RolloutBatch, examples: list, n: int | list[int],
                    positions: list[int] | None = None) -> ScoredBatch:
     """Decode and score `batch` (the rows of `examples`, n each, or n[i] for example i) with the task's reward: a
@@ -107,8 +133,7 @@ def generate_batch(sampler, task, tokenizer, task_cfg, examples: list, n: int | 
         if getattr(task, "environment", None) is not None or refresh is not None:
             raise ValueError("adaptive group sizes take single-turn completions in the sync loop")
         prompts = [task.encode(tokenizer, ex) for ex, size in zip(examples, n) for _ in range(size)]
-        batch = sampler.generate(prompts, 1, generator=generator, policy_version=version)
-        return replace(batch, group_ids=torch.arange(len(examples)).repeat_interleave(torch.tensor(list(n))))
+        return by_group_sizes(sampler.generate(prompts, 1, generator=generator, policy_version=version), list(n))
     if getattr(task, "environment", None) is not None:
         if refresh is not None:
             raise ValueError("async_loop.partial_rollouts: multi-turn episodes (task.env) are generated turn by "
@@ -154,23 +179,13 @@ class SyncSource:
     def next_batch(self, trainer_version: int) -> SourceBatch:
         run = self.run
         lcfg = run.cfg.loop
-        if run.selector is None:
-            examples, positions = run.stream.take(lcfg.prompts_per_step)
-        else:
-            examples, positions = run.selector.take(run.stream, lcfg.prompts_per_step, lcfg.group_size)
-        sizes = (lcfg.group_size if run.selector is None
-                 else run.selector.group_sizes(run.stream, positions, lcfg.group_size))
-        if isinstance(sizes, list) and len(set(sizes)) <= 1:
-            sizes = lcfg.group_size   # equal sizes: the ordinary batched call (prefills shared, same RNG stream)
+        # equal sizes come back as one int: the ordinary batched call (prefills shared, the same RNG stream)
+        examples, positions, sizes = choose_prompts(run, lcfg.prompts_per_step, lcfg.group_size)
         generated = generate_batch(run.sampler, run.task, run.tokenizer, run.cfg.task, examples, sizes,
                                    generator=run.generator, version=trainer_version)
         fault_point("generate")  # reliability tests: COVRL_FAULT (no-op otherwise)
         scored = score_batch(run.task, run.tokenizer, generated, examples, sizes, positions)
-        metrics: dict[str, float] = {}
-        cfg = run.cfg.selection
-        if run.selector is not None and (cfg.strategy != "uniform" or cfg.group_sizes == "adaptive"):
-            run.selector.observe(run.stream, positions, scored.correct, sizes, examples)
-            metrics = run.selector.metrics()
+        metrics = observe_selection(run, positions, scored, sizes, examples)
         return SourceBatch(scored, metrics=metrics, examples=tuple(examples))
 
     def step_done(self, result: StepResult) -> None:
