@@ -228,3 +228,56 @@ def test_on_policy_distillation_the_cookbook_way(tmp_path):
     print("reverse KL per token, by step:", [round(k, 3) for k in kls])
     assert first > 0.1, kls                    # the teacher differs from the student at the start
     assert last < 0.5 * first, kls             # and the student's reverse KL to it falls
+
+
+def test_weightless_targets_are_ignored_as_tinker_ignores_them(tmp_path):
+    """The cookbook's RL datums put target 0 on the prompt positions (advantage 0, log-prob 0), its SL datums
+    weight 0 there: both give exactly the loss and gradients of the same datums with the true targets; a wrong
+    target with a weight is still refused."""
+    service = facade.ServiceClient(config="tiny", overrides=SMALL, state_dir=str(tmp_path))
+    client = service.create_lora_training_client(base_model="tiny", rank=8)
+    prompt, answer = [5, 6, 7, 8], [9, 10, 2]
+    tokens, ob = prompt + answer, len(prompt) - 1
+
+    def run(targets, inputs, loss):
+        datum = facade.Datum(model_input=facade.ModelInput.from_ints(tokens[:-1]),
+                             loss_fn_inputs={"target_tokens": targets, **inputs})
+        out = client.forward_backward([datum], loss).result()
+        grads = [p.grad.clone() for p in client.api.params]
+        for p in client.api.params:
+            p.grad = None
+        return out.metrics["loss:sum"], grads
+
+    rl = {"logprobs": [0.0] * ob + [-1.0, -1.2, -0.7], "advantages": [0.0] * ob + [0.5] * 3}
+    true, zeroed = tokens[1:], [0] * ob + tokens[len(prompt):]
+    for inputs, loss in ((rl, "importance_sampling"), ({"weights": [0.0] * ob + [1.0] * 3}, "cross_entropy")):
+        a, b = run(true, inputs, loss), run(zeroed, inputs, loss)
+        assert a[0] == b[0] and all(torch.equal(x, y) for x, y in zip(a[1], b[1]))
+    with pytest.raises(ValueError, match=r"target_tokens'\]\[3\] = 0 but model_input\[4\] = 9"):
+        run(true[:3] + [0] + true[4:], rl, "importance_sampling")
+
+
+def test_a_client_from_a_saved_state_takes_the_same_next_step(tmp_path):
+    """create_training_client_from_state_with_optimizer (the recipes' resume): the rebuilt client's next step
+    equals the original's bit for bit; without the optimizer the weights match but the step differs; each
+    client writes into a folder of its own."""
+    service = facade.ServiceClient(config="tiny", overrides=SMALL, state_dir=str(tmp_path))
+    client, _ = rl_steps(service, facade.types)
+    path = client.save_state("after-2").result().path
+    again = service.create_training_client_from_state_with_optimizer(path)
+    weights_only = service.create_training_client_from_state(path)
+    folders = {c.api.state_dir for c in (client, again, weights_only)}
+    assert len(folders) == 3 and all(f.parent == tmp_path for f in folders)
+    assert again.api.version == client.api.version == 2
+    prompt = facade.ModelInput.from_ints(client.api.task.encode(client.get_tokenizer(), client.api.task.train[0]))
+    datums = rl_datums(client, prompt)
+    before, after = [p.detach().clone() for p in client.api.params], []
+    for c in (client, again, weights_only):
+        assert all(torch.equal(p, q) for p, q in zip(c.api.params, before))
+        c.forward_backward(datums, "importance_sampling").result()
+        c.optim_step(facade.AdamParams(learning_rate=1e-3)).result()
+        after.append([p.detach().clone() for p in c.api.params])
+    assert all(torch.equal(a, b) for a, b in zip(after[0], after[1]))
+    assert not all(torch.equal(a, b) for a, b in zip(after[0], after[2]))
+    with pytest.raises(ValueError, match="not a state a training client of the facade saved"):
+        service.create_training_client_from_state(str(tmp_path / "nowhere"))

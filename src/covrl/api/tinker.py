@@ -17,7 +17,9 @@ and with the SDK's own `tinker.types` objects when the `tinker` package is impor
 Conventions (Tinker's): position i of `model_input` predicts `target_tokens[i]`; losses are per-token SUMS
 over the Datum's positions (prompt positions carry advantage 0 and so add nothing to the RL losses); `logprobs`
 in loss_fn_inputs are the sampler's. covrl scores the sequence itself, so `target_tokens` must be `model_input`
-shifted by one (`target_tokens[i] == model_input[i + 1]`); other targets are refused, naming the position.
+shifted by one (`target_tokens[i] == model_input[i + 1]`) wherever the position has a weight: a target whose
+weight is 0 (or, without weights, whose advantage and log-prob are 0, as the cookbook's prompt positions) is
+ignored, as Tinker ignores it; other targets are refused, naming the position.
 The mismatch metrics (covrl.math.rollout_correction) are computed on the sampled positions: `weights > 0`
 when given, else positions with a non-zero `logprobs` or `advantages`.
 Calls return futures that are already done (`.result()`, `await .result_async()`); `*_async` variants exist.
@@ -25,9 +27,12 @@ Calls return futures that are already done (`.result()`, `await .result_async()`
 
 from __future__ import annotations
 
+import json
+import tempfile
 import types as _pytypes
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -46,6 +51,7 @@ from covrl.train import CheckpointError
 _TINKER_NAMES = {"cispo": "tinker_cispo", "gspo": "tinker_gspo"}
 _KEY_DTYPE = {"target_tokens": "int64"}
 _ATTN, _MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
+CLIENT_FILE = "tinker_client.json"   # in each training client's folder: how to build it again from a state
 
 
 # ------------------------------------------------------------------------------------------------ types
@@ -263,15 +269,20 @@ def data_to_batch(data: Sequence, loss_name: str, pad_id: int) -> TrainBatch:
                 if got != n:
                     raise ValueError(f"data[{i}].loss_fn_inputs[{key!r}]: {got} values but model_input has {n} "
                                      f"tokens")
-        bad = next((j for j in range(n - 1) if targets[j] != tokens[j + 1]), None)
-        if bad is not None:
-            raise ValueError(f"data[{i}].loss_fn_inputs['target_tokens'][{bad}] = {targets[bad]} but "
-                             f"model_input[{bad + 1}] = {tokens[bad + 1]}: covrl scores the sequence itself, so "
-                             "target_tokens must be model_input shifted by one")
+        values = {key: [float(v) for v in _values(inputs[key], key)] if key in inputs else None for key in per_key}
+        for j in range(n - 1):
+            if targets[j] == tokens[j + 1]:
+                continue
+            if _weightless(values, j):   # Tinker ignores a target whose weight is 0: so does the facade
+                targets[j] = tokens[j + 1]
+                continue
+            raise ValueError(f"data[{i}].loss_fn_inputs['target_tokens'][{j}] = {targets[j]} but "
+                             f"model_input[{j + 1}] = {tokens[j + 1]}: covrl scores the sequence itself, so a "
+                             "target with a non-zero weight must be model_input shifted by one")
         prompts.append(tokens[:1])
         responses.append(targets)
         for key in per_key:
-            per_key[key].append([float(v) for v in _values(inputs[key], key)] if key in inputs else None)
+            per_key[key].append(values[key])
     for key, rows in per_key.items():
         present = [r is not None for r in rows]
         if any(present) and not all(present):
@@ -294,6 +305,15 @@ def data_to_batch(data: Sequence, loss_name: str, pad_id: int) -> TrainBatch:
         batch = TrainBatch(batch.prompt_ids, batch.prompt_mask, batch.response_ids, batch.response_mask,
                            batch.sampler_logprobs, batch.advantages, None, sampled * batch.response_mask)
     return batch
+
+
+def _weightless(values: dict[str, list[float] | None], j: int) -> bool:
+    """Position j adds nothing to any loss: weight 0 when weights are given, else advantage 0 and sampler
+    log-prob 0 (a prompt position of an RL datum)."""
+    if values["weights"] is not None:
+        return values["weights"][j] == 0.0
+    given = [values[k] for k in ("advantages", "logprobs") if values[k] is not None]
+    return bool(given) and all(v[j] == 0.0 for v in given)
 
 
 def _loss_name(loss_fn: str) -> str:
@@ -507,10 +527,43 @@ class ServiceClient:
         model = self.config.model.model_copy(update={**self._model_section(base_model), "lora": lora})
         run = self.config.run if seed is None else self.config.run.model_copy(update={"seed": int(seed)})
         cfg = self.config.model_copy(update={"model": model, "run": run})
+        folder = self._client_folder(base_model)
+        (folder / CLIENT_FILE).write_text(json.dumps({"base_model": base_model, "seed": seed,
+                                                      "lora": None if lora is None else lora.model_dump()}))
         client = TrainingClient(_ApiTrainingClient.from_config(cfg, warmup=self.warmup, lora_after_warmup=True,
-                                                               state_dir=self.state_dir),
+                                                               state_dir=folder),
                                 base_model)
         self._training_clients.append(client)
+        return client
+
+    def _client_folder(self, base_model: str) -> Path:
+        """A folder of its own for each training client (its states and snapshots): two clients, or two runs
+        of a recipe with different log folders, never write into each other's checkpoints."""
+        root = Path(self.state_dir or Path(self.config.run.output_dir) / "tinker")
+        root.mkdir(parents=True, exist_ok=True)
+        slug = "".join(c if c.isalnum() else "-" for c in Path(base_model).name)[:40]
+        return Path(tempfile.mkdtemp(prefix=f"{slug}-", dir=root))
+
+    def create_training_client_from_state(self, path: str, user_metadata: Any = None) -> TrainingClient:
+        """A training client of the model a `save_state` path holds (its base model and LoRA settings as they
+        were created), with those weights; the optimizer starts fresh (Tinker's meaning)."""
+        return self._from_state(path, optimizer=False)
+
+    def create_training_client_from_state_with_optimizer(self, path: str, user_metadata: Any = None
+                                                         ) -> TrainingClient:
+        """`create_training_client_from_state` with the optimizer state (moments, step count) restored too."""
+        return self._from_state(path, optimizer=True)
+
+    def _from_state(self, path: str, *, optimizer: bool) -> TrainingClient:
+        state = Path(path)
+        meta = state.parent.parent / CLIENT_FILE     # <client folder>/checkpoints/<name>
+        if not state.is_dir() or not meta.is_file():
+            raise ValueError(f"path {path!r}: not a state a training client of the facade saved (save_state "
+                             f"returns such paths; {meta} is missing)")
+        info = json.loads(meta.read_text())
+        lora = None if info["lora"] is None else LoraConfig(**info["lora"])
+        client = self._client(info["base_model"], lora, info["seed"])
+        client.api.load_state(state, optimizer=optimizer)
         return client
 
     def create_sampling_client(self, base_model: str | None = None, model_path: str | None = None,
@@ -550,6 +603,8 @@ class ServiceClient:
                                      "<a local transformers folder>"],
                 "loss_fns": sorted({*(n for n in API_LOSSES if not n.startswith("tinker_")), *_TINKER_NAMES})}
 
+    create_training_client_from_state_async = _async("create_training_client_from_state")
+    create_training_client_from_state_with_optimizer_async = _async("create_training_client_from_state_with_optimizer")
     create_lora_training_client_async = _async("create_lora_training_client")
     create_training_client_async = _async("create_training_client")
     create_sampling_client_async = _async("create_sampling_client")
