@@ -281,3 +281,44 @@ def test_a_client_from_a_saved_state_takes_the_same_next_step(tmp_path):
     assert not all(torch.equal(a, b) for a, b in zip(after[0], after[2]))
     with pytest.raises(ValueError, match="not a state a training client of the facade saved"):
         service.create_training_client_from_state(str(tmp_path / "nowhere"))
+
+
+RECIPE = '''
+import sys
+import tinker
+from tinker import types
+from tinker.types.tensor_data import TensorData
+
+assert tinker.ModelInputChunk and tinker.StopReason and issubclass(tinker.TinkerError, Exception)
+assert types.ImageChunk and types.ImageAssetPointerChunk and TensorData is types.TensorData
+service = tinker.ServiceClient(config="tiny", overrides={"sft_warmup.steps": 0, "task.n_train": 8,
+                                                         "run.num_threads": 1}, state_dir=sys.argv[1])
+client = service.create_lora_training_client(base_model="tiny", rank=8)
+prompt = types.ModelInput.from_ints([5, 6, 7])
+seqs = client.save_weights_and_get_sampling_client().sample(
+    prompt, 2, types.SamplingParams(max_tokens=3)).result().sequences
+tokens = prompt.to_ints() + seqs[0].tokens
+datum = types.Datum(model_input=types.ModelInput.from_ints(tokens[:-1]), loss_fn_inputs={
+    "target_tokens": TensorData.from_numpy(__import__("numpy").array(tokens[1:])),
+    "weights": [0.0, 0.0] + [1.0] * len(seqs[0].tokens)})
+client.forward_backward([datum], "cross_entropy").result()
+client.optim_step(types.AdamParams(learning_rate=1e-3)).result()
+try:
+    types.ModelInput([types.ImageChunk(data=b"", format="png")]).to_ints()
+except ValueError as err:
+    print("refused:", err)
+print("version", client.api.version)
+'''
+
+
+def test_a_recipe_written_for_the_sdk_runs_unchanged_through_the_alias(tmp_path):
+    """`python -m covrl.api.tinker RECIPE.py`: `import tinker`, `tinker.types`, `tinker.types.tensor_data` and the
+    names the cookbook imports resolve to the facade; image chunks are refused with a reason."""
+    import subprocess
+
+    script = tmp_path / "recipe.py"
+    script.write_text(RECIPE)
+    proc = subprocess.run([sys.executable, "-m", "covrl.api.tinker", str(script), str(tmp_path / "state")],
+                          capture_output=True, text=True, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "refused: model_input: image chunks are not supported" in proc.stdout and "version 1" in proc.stdout

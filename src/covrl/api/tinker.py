@@ -28,12 +28,13 @@ Calls return futures that are already done (`.result()`, `await .result_async()`
 from __future__ import annotations
 
 import json
+import sys
 import tempfile
 import types as _pytypes
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 import torch
@@ -67,6 +68,40 @@ class EncodedTextChunk:
 
 
 @dataclass(frozen=True)
+class ImageChunk:
+    """Tinker's image input chunk; accepted as a type, refused in a model input (covrl's models read text)."""
+    data: bytes
+    format: str
+    expected_tokens: int | None = None
+    type: str = "image"
+
+    @property
+    def length(self) -> int:
+        raise ValueError("model_input: image chunks are not supported here (covrl trains text models)")
+
+
+@dataclass(frozen=True)
+class ImageAssetPointerChunk:
+    """Tinker's pointer to an image asset; accepted as a type, refused in a model input."""
+    location: str
+    format: str
+    expected_tokens: int | None = None
+    type: str = "image_asset_pointer"
+
+    @property
+    def length(self) -> int:
+        raise ValueError("model_input: image chunks are not supported here (covrl trains text models)")
+
+
+ModelInputChunk = EncodedTextChunk | ImageChunk | ImageAssetPointerChunk
+StopReason = Literal["length", "stop"]
+
+
+class TinkerError(Exception):
+    """Tinker's base error class (the SDK raises its subclasses; recipes catch it)."""
+
+
+@dataclass(frozen=True)
 class ModelInput:
     chunks: list[EncodedTextChunk] = field(default_factory=list)
 
@@ -79,6 +114,8 @@ class ModelInput:
         return cls([])
 
     def to_ints(self) -> list[int]:
+        if any(not isinstance(c, EncodedTextChunk) and not hasattr(c, "tokens") for c in self.chunks):
+            raise ValueError("model_input: image chunks are not supported here (covrl trains text models)")
         return [int(t) for c in self.chunks for t in c.tokens]
 
     @property
@@ -204,12 +241,31 @@ class LoadWeightsResponse:
     type: str = "load_weights"
 
 
-types = _pytypes.SimpleNamespace(
-    AdamParams=AdamParams, Datum=Datum, EncodedTextChunk=EncodedTextChunk, ForwardBackwardOutput=ForwardBackwardOutput,
-    LoadWeightsResponse=LoadWeightsResponse, ModelInput=ModelInput, OptimStepResponse=OptimStepResponse,
-    SampledSequence=SampledSequence, SampleResponse=SampleResponse, SamplingParams=SamplingParams,
+def _module(name: str, **attrs) -> _pytypes.ModuleType:
+    module = _pytypes.ModuleType(name)
+    module.__dict__.update(attrs)
+    sys.modules[name] = module    # importable by its dotted name, as the SDK's package modules are
+    return module
+
+
+# `types` and `types.tensor_data` are modules, as in the SDK (`from tinker.types.tensor_data import TensorData`)
+tensor_data = _module(f"{__name__}.types.tensor_data", TensorData=TensorData)
+types = _module(
+    f"{__name__}.types", AdamParams=AdamParams, Datum=Datum, EncodedTextChunk=EncodedTextChunk,
+    ForwardBackwardOutput=ForwardBackwardOutput, ImageAssetPointerChunk=ImageAssetPointerChunk,
+    ImageChunk=ImageChunk, LoadWeightsResponse=LoadWeightsResponse, ModelInput=ModelInput,
+    ModelInputChunk=ModelInputChunk, OptimStepResponse=OptimStepResponse, SampledSequence=SampledSequence,
+    SampleResponse=SampleResponse, SamplingParams=SamplingParams, StopReason=StopReason,
     SaveWeightsForSamplerResponse=SaveWeightsForSamplerResponse, SaveWeightsResponse=SaveWeightsResponse,
-    TensorData=TensorData)
+    TensorData=TensorData, tensor_data=tensor_data)
+
+
+def install_as_tinker() -> None:
+    """Make `import tinker` (and `tinker.types`, `tinker.types.tensor_data`) this facade in this process, so a
+    recipe written for the SDK runs unchanged: `python -m covrl.api.tinker RECIPE.py [args]` does this first."""
+    this = sys.modules[__name__]
+    sys.modules["tinker"], sys.modules["tinker.types"] = this, types
+    sys.modules["tinker.types.tensor_data"] = tensor_data
 
 
 class APIFuture:
@@ -610,7 +666,30 @@ class ServiceClient:
     create_sampling_client_async = _async("create_sampling_client")
 
 
-__all__ = ["APIFuture", "AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "LoadWeightsResponse",
-           "ModelInput", "OptimStepResponse", "SampleResponse", "SampledSequence", "SamplingClient",
-           "SamplingParams", "SaveWeightsForSamplerResponse", "SaveWeightsResponse", "ServiceClient",
-           "StaleSamplingClientError", "TensorData", "TrainingClient", "data_to_batch", "types"]
+__all__ = ["APIFuture", "AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "ImageAssetPointerChunk",
+           "ImageChunk", "LoadWeightsResponse", "ModelInput", "ModelInputChunk", "OptimStepResponse",
+           "SampleResponse", "SampledSequence", "SamplingClient", "SamplingParams", "SaveWeightsForSamplerResponse",
+           "SaveWeightsResponse", "ServiceClient", "StaleSamplingClientError", "StopReason", "TensorData",
+           "TinkerError", "TrainingClient", "data_to_batch", "install_as_tinker", "types"]
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`python -m covrl.api.tinker SCRIPT [ARGS...]`: run a script written for Tinker's SDK against this
+    facade (`import tinker` resolves here)."""
+    import runpy
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print("usage: python -m covrl.api.tinker SCRIPT.py [ARGS...]  (runs SCRIPT with `import tinker` = covrl's "
+              "local facade)")
+        return 0 if argv else 2
+    from covrl.api import tinker as facade  # the package module, not this file run as __main__
+
+    facade.install_as_tinker()
+    sys.argv = argv
+    runpy.run_path(argv[0], run_name="__main__")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
