@@ -142,6 +142,6 @@ def test_bad_calls_name_the_field(client):
     with pytest.raises(ValueError, match="sampling_params.max_tokens"):
         s.sample([1, 2], 1, SamplingParams(max_tokens=0))
     with pytest.raises(ValueError, match="sampling_params.stop"):
-        s.sample([1, 2], 1, SamplingParams(stop=[12345]))
+        s.sample([1, 2], 1, SamplingParams(stop=[1.5]))
     with pytest.raises(ValueError, match="name: a plain folder name"):
         client.save_state("../x")

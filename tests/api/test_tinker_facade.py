@@ -322,3 +322,18 @@ def test_a_recipe_written_for_the_sdk_runs_unchanged_through_the_alias(tmp_path)
                           capture_output=True, text=True, timeout=300, cwd=tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "refused: model_input: image chunks are not supported" in proc.stdout and "version 1" in proc.stdout
+
+
+def test_string_stops_of_the_cookbooks_renderers_are_honoured(tmp_path):
+    service = facade.ServiceClient(config="tiny", overrides=SMALL, state_dir=str(tmp_path))
+    client = service.create_lora_training_client(base_model="tiny", rank=8)
+    prompt = facade.ModelInput.from_ints(client.api.task.encode(client.get_tokenizer(), client.api.task.train[0]))
+    sampler = client.save_weights_and_get_sampling_client()
+    free = sampler.sample(prompt, 8, facade.SamplingParams(max_tokens=12, seed=0)).result().sequences
+    tok = client.get_tokenizer()
+    texts = [tok.decode(s.tokens, skip_special_tokens=True) for s in free]
+    stop = max(sorted(set("".join(texts)) - {" ", "\n"}), key=lambda c: sum(c in t for t in texts))
+    cut = sampler.sample(prompt, 8, facade.SamplingParams(max_tokens=12, seed=0, stop=["\n\nUser:", stop])
+                         ).result().sequences
+    ended = [s for s in cut if stop in tok.decode(s.tokens, skip_special_tokens=True)]
+    assert ended and all(s.stop_reason == "stop" for s in ended)

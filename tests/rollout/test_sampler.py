@@ -267,3 +267,31 @@ def test_filter_properties(values, temperature, top_k, top_p):
         assert mass >= top_p - 1e-6
         lowest = p[kept].min()   # ties at the boundary are kept together (a threshold on the logits)
         assert mass - p[kept][p[kept] <= lowest * (1 + 1e-6)].sum().item() < top_p + 1e-6
+
+
+def test_string_and_token_stops_end_a_row_where_they_appear(tiny):
+    """sampler.stop_strings: a row ends at the token that completes a stop string (kept) and nowhere else, or
+    at EOS / the budget; stop_token_ids end it at that token like EOS."""
+    model, tok = tiny
+    base = build_sampler(SamplerConfig(max_new_tokens=16, share_weights="never"), model, tok).generate(
+        PROMPTS, 4, generator=torch.Generator().manual_seed(1))
+    texts = [tok.decode(base.response_ids[i, :int(base.response_mask[i].sum())].tolist(), skip_special_tokens=True)
+             for i in range(len(base))]
+    stop = max(sorted(set("".join(texts)) - {" ", "\n"}), key=lambda c: sum(c in t for t in texts))
+    cut = build_sampler(SamplerConfig(max_new_tokens=16, share_weights="never", stop_strings=[stop]), model,
+                        tok).generate(PROMPTS, 4, generator=torch.Generator().manual_seed(1))
+    stopped = 0
+    eos = set(build_sampler(SamplerConfig(), model, tok).eos_ids)
+    for i in range(len(cut)):
+        n = int(cut.response_mask[i].sum())
+        ids = cut.response_ids[i, :n].tolist()
+        if stop in tok.decode(ids, skip_special_tokens=True):
+            stopped += 1
+            assert stop not in tok.decode(ids[:-1], skip_special_tokens=True)   # completed by the last token
+        else:
+            assert n == 16 or ids[-1] in eos
+    assert stopped >= 2
+    first = int(base.response_ids[0, 0])
+    by_id = build_sampler(SamplerConfig(max_new_tokens=16, share_weights="never", stop_token_ids=[first]), model,
+                          tok).generate(PROMPTS, 4, generator=torch.Generator().manual_seed(1))
+    assert int(by_id.response_mask[0].sum()) == 1 and int(by_id.response_ids[0, 0]) == first

@@ -521,13 +521,16 @@ class SamplingClient:
                                          greedy=greedy)
         finally:
             sampler.cfg = old
-        eos = set(getattr(sampler, "eos_ids", []))
+        stop_ids = set(getattr(sampler, "eos_ids", [])) | set(update.get("stop_token_ids", []))
+        stop_strings = update.get("stop_strings", [])
         sequences = []
         for i in range(len(batch)):
             n = int(batch.response_mask[i].sum())
             tokens = batch.response_ids[i, :n].tolist()
+            stopped = bool(tokens) and (tokens[-1] in stop_ids or (bool(stop_strings) and any(
+                s in self.owner.tokenizer.decode(tokens, skip_special_tokens=True) for s in stop_strings)))
             sequences.append(SampledSequence(tokens=tokens, logprobs=batch.sampler_logprobs[i, :n].tolist(),
-                                             stop_reason="stop" if tokens and tokens[-1] in eos else "length",
+                                             stop_reason="stop" if stopped else "length",
                                              prompt_index=i // num_samples))
         return SampleResult(sequences=sequences, batch=batch, version=self.version)
 
@@ -564,10 +567,10 @@ def _sampler_update(params: SamplingParams, sampler) -> dict[str, Any]:
         update["top_p"] = float(params.top_p)
     if params.stop:
         stop = [params.stop] if isinstance(params.stop, (str, int)) else list(params.stop)
-        eos = set(getattr(sampler, "eos_ids", []))
-        if any(not isinstance(s, int) or s not in eos for s in stop):
-            raise ValueError(f"sampling_params.stop: only the model's EOS token ids {sorted(eos)} are supported "
-                             f"as stop sequences here, got {stop!r}")
+        if any(not isinstance(s, (str, int)) or isinstance(s, bool) for s in stop):
+            raise ValueError(f"sampling_params.stop: strings or token ids, got {stop!r}")
+        update["stop_strings"] = [s for s in stop if isinstance(s, str)]
+        update["stop_token_ids"] = [int(s) for s in stop if isinstance(s, int)]
     return update
 
 

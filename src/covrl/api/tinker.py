@@ -394,9 +394,8 @@ def _sampling(params) -> api_types.SamplingParams:
         return api_types.SamplingParams()
     get = lambda name: getattr(params, name, None)  # noqa: E731 - also reads the SDK's own SamplingParams
     stop = get("stop")
-    if isinstance(stop, str) or (isinstance(stop, (list, tuple)) and any(isinstance(s, str) for s in stop)):
-        raise ValueError(f"sampling_params.stop: string stop sequences are not supported here (token ids of the "
-                         f"model's EOS are), got {stop!r}")
+    if isinstance(stop, (str, int)):
+        stop = [stop]
     return api_types.SamplingParams(max_tokens=get("max_tokens"), temperature=get("temperature"),
                                     top_k=get("top_k"), top_p=get("top_p"), seed=get("seed"),
                                     stop=list(stop) if stop else None)

@@ -68,6 +68,10 @@ class SamplerConfig(Section):
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="keep the tokens with probability >= min_p x the most "
                          "likely one's (0 = off)")
     max_new_tokens: int = Field(24, ge=1, le=65536, description="longest response in tokens")
+    stop_strings: list[str] = Field(default_factory=list, description="a row also ends when its decoded response "
+                                    "contains one of these (the tokens up to it are kept; hf sampler)")
+    stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end a row besides EOS "
+                                      "(kept in the response, as EOS is)")
     dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
         None, description="sampler weights dtype; None = the trainer model's dtype")
     return_topk: int = Field(0, ge=0, le=1024, description="also return the sampler's top-k ids and log-probs "
@@ -340,7 +344,9 @@ class HFSampler:
         first_row: dict[tuple[int, ...], int] = {}
         expand = torch.tensor([first_row.setdefault(tuple(r), len(first_row)) for r in rows], device=device)
         unique = [list(k) for k in first_row]
-        eos = torch.tensor(self.eos_ids, device=device)
+        eos = torch.tensor(sorted(set(self.eos_ids) | set(cfg.stop_token_ids)), device=device)
+        stops = [s for s in cfg.stop_strings if s]
+        window = 2 * max((len(s) for s in stops), default=0) + 2   # tokens enough to hold any stop string
         K = cfg.return_topk
 
         out_tokens = torch.full((B, cfg.max_new_tokens), self.pad_id, dtype=torch.long, device=device)
@@ -376,6 +382,12 @@ class HFSampler:
                 out_topk_ids[active, t, : top.indices.shape[-1]] = top.indices
                 out_topk_lp[active, t, : top.values.shape[-1]] = top.values.clamp(min=TOPK_LOGPROB_FLOOR)
             alive = ~torch.isin(tok, eos)
+            if stops:
+                for j, row in enumerate(active.tolist()):
+                    if bool(alive[j]):
+                        tail = self.tokenizer.decode(out_tokens[row, max(0, t + 1 - window): t + 1].tolist(),
+                                                     skip_special_tokens=True)
+                        alive[j] = not any(s in tail for s in stops)
             if t == cfg.max_new_tokens - 1 or not bool(alive.any()):
                 break
             keep = None if bool(alive.all()) else alive.nonzero().squeeze(-1)  # finished rows leave the batch

@@ -443,13 +443,16 @@ class VLLMSampler:
             n=1, temperature=0.0 if greedy else cfg.temperature, top_p=1.0 if greedy else cfg.top_p,
             top_k=0 if greedy or cfg.top_k == 0 else cfg.top_k, min_p=0.0 if greedy else cfg.min_p,
             max_tokens=cfg.max_new_tokens,
-            stop_token_ids=list(self.eos_ids), ignore_eos=False, logprobs=cfg.return_topk, detokenize=False,
+            stop_token_ids=sorted(set(self.eos_ids) | set(cfg.stop_token_ids)), ignore_eos=False, logprobs=cfg.return_topk, detokenize=False,
             seed=seed)
 
     def generate(self, prompts: list[list[int]], n: int, *, generator: torch.Generator,
                  policy_version: int | None = None, greedy: bool = False, refresh=None) -> RolloutBatch:
         """n samples per prompt -> RolloutBatch with rows [p0 x n, p1 x n, ...] and group_ids = prompt index.
         Deterministic given `generator` (one seed per row is drawn from it, greedy or not)."""
+        if self.cfg.stop_strings:
+            raise ValueError("sampler.stop_strings: the vLLM engine runs without a tokenizer here, so string stops "
+                             "need sampler.backend=hf (stop_token_ids work with both)")
         if refresh is not None:
             raise ValueError("in-flight weight updates (async_loop.partial_rollouts) are not supported by "
                              "sampler.backend=vllm: one generate call is one engine request; use the hf sampler "
