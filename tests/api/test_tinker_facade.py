@@ -337,3 +337,16 @@ def test_string_stops_of_the_cookbooks_renderers_are_honoured(tmp_path):
                          ).result().sequences
     ended = [s for s in cut if stop in tok.decode(s.tokens, skip_special_tokens=True)]
     assert ended and all(s.stop_reason == "stop" for s in ended)
+
+
+def test_the_config_follows_the_model_unless_one_is_named(monkeypatch):
+    """A recipe's own `ServiceClient(base_url=...)`: tiny gets the tiny preset, SmolLM2 the default SmolLM2 run
+    (not the tiny preset's warm-up); COVRL_TINKER_CONFIG or config= names one for every model."""
+    from covrl.config import load_preset
+
+    monkeypatch.delenv("COVRL_TINKER_CONFIG", raising=False)
+    service = facade.ServiceClient(base_url="http://ignored")
+    assert service.base_config("tiny") == load_preset("tiny")
+    assert service.base_config("HuggingFaceTB/SmolLM2-135M-Instruct") == load_preset("default")
+    monkeypatch.setenv("COVRL_TINKER_CONFIG", "tiny")
+    assert facade.ServiceClient().base_config("smollm2") == load_preset("tiny")

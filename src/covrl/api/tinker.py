@@ -28,6 +28,7 @@ Calls return futures that are already done (`.result()`, `await .result_async()`
 from __future__ import annotations
 
 import json
+import os
 import sys
 import tempfile
 import types as _pytypes
@@ -564,9 +565,13 @@ class ServiceClient:
     """Creates the clients. `config` (covrl addition): the covrl config or preset the models come from (task,
     sampler, warm-up, seed); `overrides` dotted overrides of it. No network, no API key."""
 
-    def __init__(self, config="tiny", overrides: Mapping[str, Any] | None = None, *, warmup: bool = True,
+    def __init__(self, config=None, overrides: Mapping[str, Any] | None = None, *, warmup: bool = True,
                  state_dir: str | None = None, **_: Any):
-        self.config = resolve_config(config, overrides)
+        # no config given (a recipe's own `ServiceClient(base_url=...)`): $COVRL_TINKER_CONFIG, else the preset
+        # of the model each client names (tiny for "tiny", the default SmolLM2 run otherwise)
+        self._named = config or os.environ.get("COVRL_TINKER_CONFIG")
+        self._overrides = overrides
+        self.config = resolve_config(self._named or "tiny", overrides)
         self.warmup = warmup
         self.state_dir = state_dir
         self._training_clients: list[TrainingClient] = []   # newest last: they own the covrl://sampler/ paths
@@ -579,9 +584,10 @@ class ServiceClient:
     def _client(self, base_model: str, lora: LoraConfig | None, seed: int | None) -> TrainingClient:
         if not isinstance(base_model, str) or not base_model:
             raise ValueError(f"base_model: a model name is needed, got {base_model!r}")
-        model = self.config.model.model_copy(update={**self._model_section(base_model), "lora": lora})
-        run = self.config.run if seed is None else self.config.run.model_copy(update={"seed": int(seed)})
-        cfg = self.config.model_copy(update={"model": model, "run": run})
+        base = self.base_config(base_model)
+        model = base.model.model_copy(update={**self._model_section(base_model), "lora": lora})
+        run = base.run if seed is None else base.run.model_copy(update={"seed": int(seed)})
+        cfg = base.model_copy(update={"model": model, "run": run})
         folder = self._client_folder(base_model)
         (folder / CLIENT_FILE).write_text(json.dumps({"base_model": base_model, "seed": seed,
                                                       "lora": None if lora is None else lora.model_dump()}))
@@ -590,6 +596,13 @@ class ServiceClient:
                                 base_model)
         self._training_clients.append(client)
         return client
+
+    def base_config(self, base_model: str):
+        """The config a client of `base_model` is built from: the one given (or $COVRL_TINKER_CONFIG), else the
+        tiny preset for "tiny" and the default SmolLM2 run for any other model."""
+        if self._named or base_model == "tiny":
+            return self.config
+        return resolve_config("default", self._overrides)
 
     def _client_folder(self, base_model: str) -> Path:
         """A folder of its own for each training client (its states and snapshots): two clients, or two runs
