@@ -524,3 +524,26 @@ def test_distillation_with_the_teacher_in_its_own_engine_equals_the_trainers_cop
     cfg = run_cfg(tmp_path / "hot", cache, **teacher, **{"distill.engine": "vllm", "sampler.temperature": 0.7})
     with pytest.raises(ValueError, match="temperature 1"):
         prepare_run(named(cfg, "hot"), console=False)
+
+
+def test_in_flight_weight_updates_between_segments(tiny, cache):
+    """async_loop.partial_rollouts on vLLM: rows generated segment_tokens at a time; newer weights handed after
+    the first segment reach the live rows, each token records its version, and its log q is that version's at
+    the fp32 floor (a full HF forward of each version's weights)."""
+    model, tok = tiny
+    sampler, cfg = vllm_sampler(model, tok, cache, vllm={"segment_tokens": 4})
+    newer = perturbed_copy(model)
+    calls = []
+
+    def refresh():
+        calls.append(1)
+        return (newer.state_dict(), 1) if len(calls) == 1 else None
+    batch = sampler.generate(PROMPTS, 3, generator=torch.Generator().manual_seed(0), refresh=refresh)
+    assert sampler.version == 1 and batch.token_versions is not None
+    mask = batch.response_mask > 0
+    pos = torch.arange(batch.response_ids.shape[1])[None, :].expand_as(mask)
+    assert (batch.token_versions[mask & (pos < 4)] == 0).all() and (batch.token_versions[mask & (pos >= 4)] == 1).all()
+    assert (mask & (pos >= 4)).any()
+    expected = torch.where(batch.token_versions == 1, recompute(newer, batch, cfg), recompute(model, batch, cfg))
+    assert (batch.sampler_logprobs - expected)[mask].abs().max() < LOGPROB_TOL
+    sampler.load_weights(model, 0)   # the module's engine back to the fixture's weights for the tests after

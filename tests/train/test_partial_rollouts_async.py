@@ -77,7 +77,7 @@ def test_a_push_mid_generation_reaches_the_chunk_in_flight(tmp_path):
 
 @pytest.mark.parametrize("over, match", [
     ({"async_loop.local_backend": "process"}, "local_backend=thread"),
-    ({"sampler.compile": True}, "eager hf sampler"),
+    ({"sampler.compile": True}, "eager decode loop"),
     ({"task.env.name": "single_turn"}, "multi-turn"),
 ])
 def test_what_cannot_take_weights_mid_generation_is_refused(tmp_path, over, match):

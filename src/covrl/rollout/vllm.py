@@ -110,6 +110,9 @@ class VLLMEngineConfig(Section):
                                         "after every weight sync)")
     enable_chunked_prefill: bool | None = Field(None, description="split long prefills across engine steps; "
                                                 "None = vLLM's default")
+    segment_tokens: int = Field(16, ge=1, le=65536, description="with in-flight weight updates "
+                                "(async_loop.partial_rollouts): tokens per engine request, between which new "
+                                "weights are pushed and the rows continue from their prefix")
     max_model_len: int | None = Field(None, ge=16, description="engine context; None = the model's "
                                       "max_position_embeddings")
     max_prompt_tokens: int = Field(4096, ge=16, description="prompt tokens per generate request to the "
@@ -232,7 +235,9 @@ _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int, max_model_len: int | None,
             lora_rank: int | None = None, head_dim: int | None = None, role: str = "policy"):
     # `role`: a teacher's engine is its own, even for a model of the policy's shape (one set of weights each)
-    key = (str(folder), dtype, vcfg.model_dump_json(), max_logprobs, max_model_len, lora_rank, role)
+    # options the engine does not see (how covrl splits its requests) do not make another engine
+    key = (str(folder), dtype, vcfg.model_dump_json(exclude={"segment_tokens"}), max_logprobs, max_model_len,
+           lora_rank, role)
     if key in _ENGINES:
         return _ENGINES[key]
     env = _start_env(vcfg)
@@ -437,12 +442,12 @@ class VLLMSampler:
     def _check_prompts(self, prompts, n):
         check_prompts(prompts, n, context=self.context, max_new_tokens=self.cfg.max_new_tokens)
 
-    def _params(self, seed: int | None, greedy: bool):
+    def _params(self, seed: int | None, greedy: bool, max_tokens: int | None = None):
         cfg = self.cfg
         return self._vllm.SamplingParams(
             n=1, temperature=0.0 if greedy else cfg.temperature, top_p=1.0 if greedy else cfg.top_p,
             top_k=0 if greedy or cfg.top_k == 0 else cfg.top_k, min_p=0.0 if greedy else cfg.min_p,
-            max_tokens=cfg.max_new_tokens,
+            max_tokens=cfg.max_new_tokens if max_tokens is None else max_tokens,
             stop_token_ids=sorted(set(self.eos_ids) | set(cfg.stop_token_ids)), ignore_eos=False, logprobs=cfg.return_topk, detokenize=False,
             seed=seed)
 
@@ -453,10 +458,6 @@ class VLLMSampler:
         if self.cfg.stop_strings:
             raise ValueError("sampler.stop_strings: the vLLM engine runs without a tokenizer here, so string stops "
                              "need sampler.backend=hf (stop_token_ids work with both)")
-        if refresh is not None:
-            raise ValueError("in-flight weight updates (async_loop.partial_rollouts) are not supported by "
-                             "sampler.backend=vllm: one generate call is one engine request; use the hf sampler "
-                             "or async_loop.partial_rollouts=false")
         if self._entry["owner"] != id(self):
             raise RuntimeError("this vLLM sampler's engine now holds another sampler's weights (a newer "
                                "sampler was built on the same engine); call load_weights first")
@@ -465,6 +466,8 @@ class VLLMSampler:
         rows = [list(map(int, p)) for p in prompts for _ in range(n)]
         seeds = torch.randint(0, 2 ** 31 - 1, (len(rows),), generator=generator, device=generator.device)
         seeds = seeds.tolist()
+        if refresh is not None:
+            return self._generate_segments(rows, n, seeds, version, greedy, refresh)
         t0 = time.perf_counter()
         outputs = []
         start = 0
@@ -503,6 +506,62 @@ class VLLMSampler:
             for t, j in enumerate(range(start, len(r))):
                 out[i, t] = float(lps[j][r[j]].logprob)
         return out.to(batch.response_ids.device)
+
+    def _generate_segments(self, rows, n, seeds, version, greedy, refresh) -> RolloutBatch:
+        """In-flight weight updates: the rows are generated `sampler.vllm.segment_tokens` at a time; between two
+        segments newer weights (`refresh()`) are pushed into the engine (its prefix cache reset, so the prefixes
+        are prefilled again with them) and the live rows continue from prompt + their tokens so far. Each token
+        records the version that drew it (`token_versions`)."""
+        if self.cfg.return_topk:
+            raise ValueError("async_loop.partial_rollouts with sampler.backend=vllm: sampler.return_topk is not "
+                             "supported (set it to 0)")
+        t0 = time.perf_counter()
+        B, eos = len(rows), set(self.eos_ids) | set(self.cfg.stop_token_ids)
+        tokens, logq, versions = [[] for _ in rows], [[] for _ in rows], [[] for _ in rows]
+        done, left, segment = [False] * B, self.cfg.max_new_tokens, 0
+        while left > 0 and not all(done):
+            live = [i for i in range(B) if not done[i]]
+            take = min(self.vcfg.segment_tokens, left)
+            reqs = [{"prompt_token_ids": rows[i] + tokens[i]} for i in live]
+            # one seed per row and segment, drawn from the row's seed: deterministic given the generator
+            params = [self._params(None if greedy else (seeds[i] + 7_919 * segment) % (2 ** 31 - 1), greedy, take)
+                      for i in live]
+            for i, out in zip(live, self._submit(reqs, params)):
+                c = out.outputs[0]
+                got = list(c.token_ids)
+                end = next((t + 1 for t, tok in enumerate(got) if tok in eos), None)
+                got = got if end is None else got[:end]
+                tokens[i] += got
+                logq[i] += [float(c.logprobs[t][tok].logprob) for t, tok in enumerate(got)]
+                versions[i] += [self.version] * len(got)
+                done[i] = end is not None or len(got) < take
+            left, segment = left - take, segment + 1
+            newer = refresh()
+            if newer is not None and int(newer[1]) > self.version:
+                self.load_weights(newer[0], int(newer[1]))
+        P = max(len(r) for r in rows)
+        T = max(1, max(len(t) for t in tokens))
+        prompt_ids = torch.full((B, P), self.pad_id, dtype=torch.long)
+        prompt_mask = torch.zeros((B, P), dtype=torch.float32)
+        response_ids = torch.full((B, T), self.pad_id, dtype=torch.long)
+        response_mask = torch.zeros((B, T), dtype=torch.float32)
+        out_logq = torch.zeros((B, T), dtype=torch.float32)
+        out_versions = torch.full((B, T), version, dtype=torch.long)
+        for i, r in enumerate(rows):
+            prompt_ids[i, P - len(r):] = torch.tensor(r, dtype=torch.long)
+            prompt_mask[i, P - len(r):] = 1.0
+            L = len(tokens[i])
+            if L:
+                response_ids[i, :L] = torch.tensor(tokens[i], dtype=torch.long)
+                response_mask[i, :L] = 1.0
+                out_logq[i, :L] = torch.tensor(logq[i])
+                out_versions[i, :L] = torch.tensor(versions[i], dtype=torch.long)
+        return RolloutBatch(
+            prompt_ids=prompt_ids, prompt_mask=prompt_mask, response_ids=response_ids,
+            response_mask=response_mask, sampler_logprobs=out_logq,
+            group_ids=torch.arange(B // n).repeat_interleave(n),
+            policy_version=torch.full((B,), version, dtype=torch.long), token_versions=out_versions,
+            timing=RolloutTiming(generate_s=time.perf_counter() - t0))
 
     def _submit(self, reqs, params):
         lora = self._lora_request   # None unless lora_sync=adapter

@@ -47,9 +47,10 @@ class AsyncLoopConfig(Section):
     partial_rollouts: bool = Field(
         False, description="weights published while a chunk generates reach it between two decode steps: the live "
                            "rows are prefilled again with the new weights and go on; each token records the version "
-                           "that drew it (RolloutBatch.token_versions). local_backend=thread (or emulate) with the "
-                           "hf sampler, single-turn tasks; admission and the staleness bound stay by a row's first "
-                           "token (docs/async.md)")
+                           "that drew it (RolloutBatch.token_versions). local_backend=thread (or emulate); the hf "
+                           "sampler between decode steps, vLLM between segments of sampler.vllm.segment_tokens; "
+                           "single-turn tasks; admission and the staleness bound stay by a row's first token "
+                           "(docs/async.md)")
     ray_address: str | None = Field(
         None, description="Ray cluster to join (ray.init(address=...)), e.g. 'auto' or 'ray://head:10001'; "
                           "None = start a local Ray instance")

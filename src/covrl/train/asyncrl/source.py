@@ -207,9 +207,9 @@ def _check_partial_rollouts(cfg, pool: str) -> None:
     if pool not in ("serial", "thread"):
         raise ValueError(f"async_loop.partial_rollouts=true needs async_loop.local_backend=thread (loop.mode="
                          f"async); the {pool!r} sampler workers take weights between chunks only")
-    if cfg.sampler.backend != "hf" or cfg.sampler.compile:
-        raise ValueError("async_loop.partial_rollouts=true needs the eager hf sampler (sampler.backend=hf, "
-                         f"sampler.compile=false); got backend={cfg.sampler.backend!r}, compile={cfg.sampler.compile}")
+    if cfg.sampler.compile:
+        raise ValueError("async_loop.partial_rollouts=true needs the hf sampler's eager decode loop "
+                         "(sampler.compile=false) or sampler.backend=vllm")
     if cfg.task.env.name:
         raise ValueError("async_loop.partial_rollouts=true: multi-turn episodes (task.env) are not supported")
 
