@@ -70,6 +70,18 @@ def test_curriculum_and_thompson_prefer_pass_rates_near_one_half():
     assert contrast_probability(0.5, 4) == pytest.approx(1 - 2 / 16) and contrast_probability(1.0, 4) == 0.0
 
 
+def _cut_and_resumed(tmp_path, over):
+    """The metrics of a run stopped after 2 steps and resumed to the end (comparable keys)."""
+    cfg = tiny_cfg(tmp_path, **{"run.name": "cut", **over})
+    run = prepare_run(cfg, console=False)
+    train_sync(run, stop_after=2)
+    run.close()
+    run = prepare_run(cfg, resume=True, console=False)
+    train_sync(run)
+    run.close()
+    return comparable(read_jsonl(tmp_path / "cut" / "metrics.jsonl"))
+
+
 def test_a_selected_run_logs_its_contrast_and_resumes_exactly(tmp_path):
     over = {"selection.strategy": "thompson", "eval.before": False, "eval.after": False, "loop.steps": 4,
             "checkpoint.every_rollouts": 32}
@@ -78,14 +90,7 @@ def test_a_selected_run_logs_its_contrast_and_resumes_exactly(tmp_path):
     run.close()
     full = read_jsonl(tmp_path / "full" / "metrics.jsonl")
     assert all("selection/contrast_frac" in r and "selection/never_shown" in r for r in full)
-    cfg = tiny_cfg(tmp_path, **{"run.name": "cut", **over})
-    run = prepare_run(cfg, console=False)
-    train_sync(run, stop_after=2)
-    run.close()
-    run = prepare_run(cfg, resume=True, console=False)
-    train_sync(run)
-    run.close()
-    assert comparable(read_jsonl(tmp_path / "cut" / "metrics.jsonl")) == comparable(full)
+    assert _cut_and_resumed(tmp_path, over) == comparable(full)
 
 
 def test_selection_outside_the_sync_loop_is_refused():
@@ -125,11 +130,4 @@ def test_an_adaptive_run_keeps_its_budget_and_resumes_exactly(tmp_path):
     assert all(len(b) == 16 for b in batches)
     assert any(len(set(torch.bincount(b.group_ids).tolist())) > 1 for b in batches)   # sizes did vary
     assert all("selection/group_size_max" in r for r in full)
-    cfg = tiny_cfg(tmp_path, **{"run.name": "cut", **over})
-    run = prepare_run(cfg, console=False)
-    train_sync(run, stop_after=2)
-    run.close()
-    run = prepare_run(cfg, resume=True, console=False)
-    train_sync(run)
-    run.close()
-    assert comparable(read_jsonl(tmp_path / "cut" / "metrics.jsonl")) == comparable(full)
+    assert _cut_and_resumed(tmp_path, over) == comparable(full)

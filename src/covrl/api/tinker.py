@@ -68,30 +68,30 @@ class EncodedTextChunk:
         return len(self.tokens)
 
 
+class _Image:
+    """Image chunks are accepted as types and refused in a model input (covrl's models read text)."""
+
+    @property
+    def length(self) -> int:
+        raise ValueError("model_input: image chunks are not supported here (covrl trains text models)")
+
+
 @dataclass(frozen=True)
-class ImageChunk:
-    """Tinker's image input chunk; accepted as a type, refused in a model input (covrl's models read text)."""
+class ImageChunk(_Image):
+    """Tinker's image input chunk."""
     data: bytes
     format: str
     expected_tokens: int | None = None
     type: str = "image"
 
-    @property
-    def length(self) -> int:
-        raise ValueError("model_input: image chunks are not supported here (covrl trains text models)")
-
 
 @dataclass(frozen=True)
-class ImageAssetPointerChunk:
-    """Tinker's pointer to an image asset; accepted as a type, refused in a model input."""
+class ImageAssetPointerChunk(_Image):
+    """Tinker's pointer to an image asset."""
     location: str
     format: str
     expected_tokens: int | None = None
     type: str = "image_asset_pointer"
-
-    @property
-    def length(self) -> int:
-        raise ValueError("model_input: image chunks are not supported here (covrl trains text models)")
 
 
 ModelInputChunk = EncodedTextChunk | ImageChunk | ImageAssetPointerChunk
