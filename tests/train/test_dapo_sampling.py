@@ -95,9 +95,8 @@ def test_dynamic_sampling_cap_stops_a_constant_task(tmp_path):
     assert summary["status"] == "failed" and "dynamic sampling kept no group" in summary["reason"]
 
 
-def test_dynamic_sampling_is_sync_only():
-    with pytest.raises(Exception, match="dynamic_sampling"):
-        tiny_cfg(None, **{"loop.dynamic_sampling": True, "loop.mode": "async"})
+def test_dynamic_sampling_is_accepted_by_the_async_loops():
+    assert tiny_cfg(None, **{"loop.dynamic_sampling": True, "loop.mode": "async"}).loop.dynamic_sampling
 
 
 # ------------------------------------------------------------------------------------------ overlong

@@ -17,16 +17,20 @@ from covrl.train.asyncrl.staleness import StalenessManager, staleness_metrics
 
 def simulate(*, chunk: int, chunks_per_step: int, lag: int | None, samplers: int, steps: int, seed: int,
              sync_every: int = 1, drop: int | None = None, max_running: int | None = None,
-             resume_at: int | None = None, slow_tail: float = 0.0, skip_prob: float = 0.0):
+             resume_at: int | None = None, slow_tail: float = 0.0, skip_prob: float = 0.0,
+             filter_prob: float = 0.0):
     """Samplers (each one chunk at a time) and one trainer on a shared clock. Generation time per chunk and
     step time are random (seeded); with probability `slow_tail` a chunk takes 20x longer (out-of-order finishes).
+    `filter_prob`: each completed row is filtered out with this probability (dynamic sampling); payloads are then
+    the lists of the kept rows' tickets.
     A sampler picks up the newest published weights (every `sync_every` steps) before each chunk.
     `resume_at`: after that many steps, round-trip the manager through state_dict (pickled) into a new one;
     running chunks are then generated again. `skip_prob`: a step's update is skipped (no new policy version, as
     after a non-finite loss) with this probability. Returns (manager, consumed chunks, per-step staleness, peaks)."""
     rng = random.Random(seed)
     B = chunk * chunks_per_step
-    mgr = StalenessManager(B, lag, drop_older_than_rollouts=drop, max_running=max_running)
+    split = (lambda rows, k: (rows[:k], rows[k:])) if filter_prob else None
+    mgr = StalenessManager(B, lag, drop_older_than_rollouts=drop, max_running=max_running, split=split)
     clock = 0.0
     events: list = []            # (time, seq, kind, data)
     seq = 0
@@ -49,7 +53,9 @@ def simulate(*, chunk: int, chunks_per_step: int, lag: int | None, samplers: int
             if sampler_busy[i]:
                 continue
             sampler_version[i] = published          # weight sync before each chunk
-            c = mgr.try_start(chunk, sampler_version[i], meta={"sampler": i})
+            # with filtering, a chunk shrinks to the room left (AsyncState.chunk_size, groups of one row here)
+            size = max(min(chunk, mgr.capacity(published)), 1) if filter_prob else chunk
+            c = mgr.try_start(size, sampler_version[i], meta={"sampler": i})
             if c is None:
                 continue
             sampler_busy[i] = True
@@ -74,7 +80,11 @@ def simulate(*, chunk: int, chunks_per_step: int, lag: int | None, samplers: int
             if e != epoch:
                 continue
             sampler_busy[i] = False
-            mgr.complete(c, payload={"ticket": c.ticket, "version": c.version})
+            if filter_prob:
+                rows = [t for t in range(c.ticket, c.ticket + c.size) if rng.random() >= filter_prob]
+                mgr.complete(c, payload=rows, kept=len(rows))
+            else:
+                mgr.complete(c, payload={"ticket": c.ticket, "version": c.version})
         else:
             trainer_busy = False
             steps_done += 1
@@ -86,7 +96,7 @@ def simulate(*, chunk: int, chunks_per_step: int, lag: int | None, samplers: int
                     published = trainer_version
             if resume_at is not None and steps_done == resume_at:
                 state = pickle.loads(pickle.dumps(mgr.state_dict()))
-                mgr = StalenessManager(B, lag, drop_older_than_rollouts=drop, max_running=max_running)
+                mgr = StalenessManager(B, lag, drop_older_than_rollouts=drop, max_running=max_running, split=split)
                 mgr.load_state_dict(state)
                 epoch += 1
                 sampler_busy = [False] * samplers
@@ -142,6 +152,47 @@ def test_queue_survives_resume(lag_steps, samplers, resume_at, seed):
     for c in consumed:
         if c.done and c.payload is not None:
             assert c.payload["ticket"] == c.ticket
+
+
+@settings(max_examples=40, deadline=None)
+@given(chunk=st.integers(1, 4), chunks_per_step=st.integers(1, 3), lag_steps=st.integers(0, 2),
+       samplers=st.integers(1, 3), filter_prob=st.sampled_from([0.2, 0.5, 0.8]),
+       resume_at=st.sampled_from([None, 3]), seed=st.integers(0, 10_000))
+def test_filtered_rows_keep_the_bound_and_the_order(chunk, chunks_per_step, lag_steps, samplers, filter_prob,
+                                                     resume_at, seed):
+    """Dynamic sampling: rows filtered at completion free capacity, each step takes exactly B kept rows (a
+    chunk may be split between steps), in ticket order, each once, with staleness within ⌈Q/B⌉ — across a
+    resume too."""
+    B = chunk * chunks_per_step
+    Q = lag_steps * B
+    mgr, consumed, staleness, peak = simulate(chunk=chunk, chunks_per_step=chunks_per_step, lag=Q,
+                                              samplers=samplers, steps=8, seed=seed, filter_prob=filter_prob,
+                                              resume_at=resume_at, slow_tail=0.3)
+    assert all(len(s) == B for s in staleness)
+    assert max(max(s) for s in staleness) <= lag_steps and peak <= Q + B
+    rows = [t for c in consumed for t in c.payload]
+    assert len(rows) == 8 * B and rows == sorted(set(rows))
+    assert mgr.filtered > 0 or filter_prob < 0.5
+
+
+def test_filtered_chunk_splits_a_batch_by_hand():
+    mgr = StalenessManager(4, 4, split=lambda rows, k: (rows[:k], rows[k:]))
+    a, b = mgr.try_start(4, 0), mgr.try_start(4, 0)
+    mgr.complete(a, payload=["a0", "a1"], kept=2)       # half filtered: capacity for 2 more rows
+    assert mgr.filtered == mgr.filtered_since_take == 2 and mgr.capacity(0) == 2
+    c = mgr.try_start(2, 0)
+    assert c is not None and not mgr.ready(0)
+    mgr.complete(b, payload=["b0", "b1", "b2", "b3"])
+    res = mgr.take(0)                                   # a's 2 rows, then 2 of b's 4
+    assert [ch.payload for ch in res.chunks] == [["a0", "a1"], ["b0", "b1"]]
+    assert mgr.filtered_since_take == 0 and mgr.queue_depth == 2 and mgr.frontier_ticket == b.ticket
+    mgr.complete(c, payload=[], kept=0)                 # kept nothing: leaves the queue
+    mgr.check_invariants()
+    with pytest.raises(ValueError, match="kept 5 of"):
+        mgr.complete(mgr.try_start(4, 1), payload=[], kept=5)
+    plain = StalenessManager(4, 0)
+    with pytest.raises(ValueError, match="split"):
+        plain.complete(plain.try_start(4, 0), payload=[1], kept=1)
 
 
 def test_staleness_zero_is_lockstep():

@@ -178,12 +178,15 @@ class LoopConfig(Section):
     steps: int = Field(40, ge=1, description="optimizer steps of the run; total rollouts = steps * rollouts/step")
     prompts_per_step: int = Field(8, ge=1, description="distinct prompts per step")
     group_size: int = Field(8, ge=1, description="completions per prompt (a group for the advantage baseline)")
-    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling (sync mode): drop groups whose "
-                                   "rewards are all equal and generate more until prompts_per_step groups are kept "
-                                   "(covrl.train.run.sources.DynamicSamplingSource)")
-    dynamic_sampling_max_rounds: int = Field(16, ge=1, le=100_000, description="generation rounds per step at "
-                                             "most; then the step trains on the groups kept so far, and a step "
-                                             "that kept none stops the run (DynamicSamplingError, exit 2)")
+    dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all "
+                                   "equal and generate more until prompts_per_step groups are kept (sync: "
+                                   "covrl.train.run.sources.DynamicSamplingSource; async / ray: filtered chunks "
+                                   "free queue capacity, docs/async.md)")
+    dynamic_sampling_max_rounds: int = Field(16, ge=1, le=100_000, description="sync: generation rounds per step "
+                                             "at most; then the step trains on the groups kept so far, and a step "
+                                             "that kept none stops the run (DynamicSamplingError, exit 2); async: "
+                                             "the run stops when this many batches' worth of rollouts were "
+                                             "filtered without filling the next batch")
 
     @property
     def rollouts_per_step(self) -> int:
@@ -306,8 +309,9 @@ class TrainConfig(Section):
         if self.trainer.autocast != "none" and self.model.dtype != "float32":
             raise ValueError(f"trainer.autocast={self.trainer.autocast} keeps fp32 master weights: it needs "
                              f"model.dtype=float32 (got {self.model.dtype}; a bf16 model is already bf16)")
-        if self.loop.dynamic_sampling and (self.loop.mode != "sync" or self.trainer.parallel != "none"):
-            raise ValueError("loop.dynamic_sampling=true runs with loop.mode=sync and trainer.parallel=none only")
+        if self.loop.dynamic_sampling and self.trainer.parallel != "none":
+            raise ValueError("loop.dynamic_sampling=true runs with trainer.parallel=none only (ranks would keep "
+                             "different numbers of groups)")
         overlong = self.task.overlong_reward
         if overlong.buffer > 0:
             if overlong.max_tokens is None:   # the sampler's budget is what the penalty counts towards

@@ -21,12 +21,12 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch
 
-from covrl.math import KL_ESTIMATORS, clamped_log_ratio
+from covrl.math import KL_ESTIMATORS, clamped_log_ratio, constant_groups
 from covrl.rollout import truncation_rule
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.asyncrl.config import AsyncLoopConfig
 from covrl.train.asyncrl.staleness import Chunk, StalenessManager, TakeResult
-from covrl.train.run.sources import generate_batch, score_batch
+from covrl.train.run.sources import DynamicSamplingError, generate_batch, score_batch
 from covrl.train.step.trainer import forward_response
 
 __all__ = ["AsyncState", "SamplerWorkerError", "SerialPool", "ThreadPool", "clone_weights", "floor_probe",
@@ -52,8 +52,12 @@ class AsyncState:
         self.chunk_rollouts = self.chunk_prompts * lcfg.group_size
         self.batch_rollouts = lcfg.rollouts_per_step
         self.queue_rollouts = acfg.queue_rollouts(self.batch_rollouts)
+        # loop.dynamic_sampling: chunks keep only their groups with reward contrast (see complete_chunk)
+        self.dynamic = bool(lcfg.dynamic_sampling)
+        self.dynamic_max_rounds = int(lcfg.dynamic_sampling_max_rounds)
         self.manager = StalenessManager(self.batch_rollouts, self.queue_rollouts,
-                                        drop_older_than_rollouts=acfg.drop_older_than_rollouts)
+                                        drop_older_than_rollouts=acfg.drop_older_than_rollouts,
+                                        split=split_rows if self.dynamic else None)
         self.cond = threading.Condition()
         self.stop = False
         self.error: BaseException | None = None
@@ -81,6 +85,38 @@ class AsyncState:
         stream = self.run.stream
         return [stream.items[stream.index_at(p)] for p in positions], positions
 
+    def chunk_size(self, version: int) -> int:
+        """Rollouts of the next chunk: `chunk_rollouts`; with dynamic sampling at most the whole groups the
+        queue has room for (filtered rows leave capacity that is not a whole chunk, and a batch can wait for it:
+        a fixed size would deadlock there, a larger one break the staleness bound)."""
+        if not self.dynamic:
+            return self.chunk_rollouts
+        room = self.manager.capacity(version) // self.group_size * self.group_size
+        return max(min(self.chunk_rollouts, room), self.group_size)
+
+    def complete_chunk(self, chunk: Chunk, batch: ScoredBatch) -> None:
+        """Under the lock: a chunk's scored rollouts join the queue. With dynamic sampling only its groups
+        whose rewards differ do (a constant group has no advantage under a group baseline); the others are
+        counted and free queue capacity, so the sampler generates more. A batch that cannot be filled within
+        `loop.dynamic_sampling_max_rounds` batches' worth of filtered rollouts stops the run
+        (DynamicSamplingError), as the sync loop's cap does."""
+        if not self.dynamic:
+            self.manager.complete(chunk, batch)
+            return
+        n = self.group_size
+        same = constant_groups(batch.sequence_rewards, batch.group_ids, len(batch) // n)
+        keep = (~same).nonzero().flatten().tolist()
+        kept = batch.select([g * n + j for g in keep for j in range(n)]) if keep else None
+        self.manager.complete(chunk, kept, kept=len(keep) * n)
+        cap = self.dynamic_max_rounds * self.batch_rollouts
+        if self.manager.filtered_since_take >= cap and not self.manager.ready(self.run.trainer.version):
+            raise DynamicSamplingError(
+                f"dynamic sampling filtered {self.manager.filtered_since_take} rollouts (loop.dynamic_sampling_"
+                f"max_rounds={self.dynamic_max_rounds} batches of {self.batch_rollouts}) without filling the "
+                f"next batch: almost every group of {n} completions had equal rewards; the task is too easy or "
+                "too hard for the model, or the reward is constant. Raise the cap, change the task, or set "
+                "loop.dynamic_sampling=false")
+
     def record_floor(self, value: float) -> None:
         self.floor_last = value
         self.floor_samples += 1
@@ -104,10 +140,13 @@ class AsyncState:
             self.stop = True
             self.cond.notify_all()
 
-    def failure(self) -> SamplerWorkerError | None:
-        """The error that stopped a sampler worker, as the SamplerWorkerError the run stops with (or None)."""
+    def failure(self) -> BaseException | None:
+        """The error that stopped a sampler worker, as the SamplerWorkerError the run stops with (or None);
+        the dynamic sampling cap is the run's verdict, not a worker's death: as it is."""
         if self.error is None:
             return None
+        if isinstance(self.error, DynamicSamplingError):
+            return self.error
         err = SamplerWorkerError(f"async sampler worker failed: {self.error!r}")
         err.__cause__ = self.error
         return err
@@ -131,6 +170,11 @@ class AsyncState:
             self.cond.notify_all()
         self.trainer_idle_s += time.perf_counter() - t0
         return res
+
+
+def split_rows(batch: ScoredBatch, k: int) -> tuple[ScoredBatch, ScoredBatch]:
+    """(the first k rows, the rest) of a chunk's batch: a step's batch may end inside a filtered chunk."""
+    return batch.select(list(range(k))), batch.select(list(range(k, len(batch))))
 
 
 def clone_weights(model) -> dict[str, torch.Tensor]:
@@ -224,7 +268,7 @@ class _LocalWorkerMixin:
                                run.generator, chunk.version, refresh=refresh)
         self._maybe_probe(batch)
         with st.cond:
-            st.manager.complete(chunk, batch)
+            st.complete_chunk(chunk, batch)
             st.chunks_generated += 1
             st.cond.notify_all()
 
@@ -263,7 +307,7 @@ class _LocalWorkerMixin:
         """Under the lock: admit the next chunk (a chunk left from a resume first), recording the generator
         state before it (for resume)."""
         st = self.state
-        return st.manager.try_start(st.chunk_rollouts, version,
+        return st.manager.try_start(st.chunk_size(version), version,
                                     meta={"rng_before": st.run.generator.get_state(), "sampler": 0})
 
 

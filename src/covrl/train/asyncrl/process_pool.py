@@ -193,7 +193,7 @@ class DispatchPool:
         for rank in range(self.num_samplers):
             if rank in busy:
                 continue
-            chunk = st.manager.try_start(st.chunk_rollouts, version,
+            chunk = st.manager.try_start(st.chunk_size(version), version,
                                          meta={"rng_before": self.worker_rng[rank], "sampler": rank})
             if chunk is None:
                 return
@@ -224,7 +224,7 @@ class DispatchPool:
             st.sampler_busy_s += result["busy_s"]
             if result["floor"] is not None:
                 st.record_floor(result["floor"])
-            st.manager.complete(chunk, result["batch"])
+            st.complete_chunk(chunk, result["batch"])
             st.chunks_generated += 1
             st.cond.notify_all()
 

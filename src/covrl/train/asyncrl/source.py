@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -125,7 +126,21 @@ class AsyncSource:
     def next_batch(self, trainer_version: int) -> SourceBatch:
         res = self.pool.next_batch(trainer_version)
         batch = concat_batches([c.payload for c in res.chunks], self.state.pad_id)
-        return SourceBatch(batch, {**res.metrics, **token_lag_metrics(batch, trainer_version)})
+        metrics = {**res.metrics, **token_lag_metrics(batch, trainer_version)}
+        if self.state.dynamic:   # filtered chunks leave gaps in the group ids: 0..G-1 for the trainer
+            batch = replace(batch, group_ids=torch.unique_consecutive(batch.group_ids, return_inverse=True)[1])
+            metrics.update(self._dynamic_metrics())
+        return SourceBatch(batch, metrics)
+
+    def _dynamic_metrics(self) -> dict[str, float]:
+        """The sync loop's dynamic/* keys on the async data clock: rollouts generated (every completed chunk)
+        and trained (consumed), groups dropped for want of contrast (all time) and the share kept."""
+        mgr, n = self.state.manager, self.state.group_size
+        trained = mgr.consumed   # this batch included
+        generated = mgr.accepted + mgr.filtered + mgr.dropped
+        return {"dynamic/generated_rollouts": float(generated), "dynamic/trained_rollouts": float(trained),
+                "dynamic/dropped_groups": float(mgr.filtered // n),
+                "dynamic/keep_rate": mgr.accepted / max(generated, 1)}
 
     def step_done(self, result: StepResult) -> None:
         st = self.state
@@ -133,8 +148,10 @@ class AsyncSource:
             with st.cond:
                 st.manager.batch_skipped()
                 st.cond.notify_all()
-        # the data position of a consumed batch, as in the sync loop (prompts handed to the trainer)
-        self.run.stream.position = self.run.trainer.rollouts // st.group_size
+        # the data position of a consumed batch, as in the sync loop (prompts handed to the trainer); with dynamic
+        # sampling the first prompt not yet trained or filtered (the trainer's count trails the stream's)
+        self.run.stream.position = (st.manager.frontier_ticket if st.dynamic else self.run.trainer.rollouts) \
+            // st.group_size
 
     def publish(self, model, version: int) -> None:
         # a fully_shard-ed trainer (fsdp2) holds shards: gather the full weights here, in the loop's thread (a

@@ -24,11 +24,19 @@ Q + B. Consumption in ticket order is what makes the bound hold when chunks fini
 
 Drop (optional, `drop_older_than_rollouts` D): a completed chunk at the head of the queue whose staleness in
 rollouts exceeds D is discarded instead of trained on; its rollouts leave `accepted`, which frees capacity.
+
+Filter (dynamic sampling in the async loop): a chunk may complete with fewer rows than it was admitted with
+(`complete(chunk, payload, kept=...)`: the groups without reward contrast removed). Only the kept rows enter
+`accepted`, so the filtered ones free capacity and the sampler generates more (DAPO's oversampling, on the
+data clock); the bound is unchanged, since like a drop a filter only moves later rollouts earlier in the
+consumption order. A batch is then the next B kept rows in ticket order, which may split a chunk (`split`: a
+function payload, k -> (first k rows, the rest)); the rest stays at the head of the queue.
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -76,10 +84,12 @@ class StalenessManager:
     queue_rollouts          Q, the queue size in rollouts (None: unbounded, no admission control)
     max_running               at most this many rollouts generating at once (None: unbounded)
     drop_older_than_rollouts  D, drop a completed chunk whose staleness·B exceeds D (None: never drop)
+    split                     payload, k -> (first k rows, rest): lets a batch end inside a filtered chunk
     """
 
     def __init__(self, batch_rollouts: int, queue_rollouts: int | None = 0, *, max_running: int | None = None,
-                 drop_older_than_rollouts: int | None = None) -> None:
+                 drop_older_than_rollouts: int | None = None,
+                 split: Callable[[Any, int], tuple[Any, Any]] | None = None) -> None:
         if int(batch_rollouts) < 1:
             raise ValueError(f"batch_rollouts must be >= 1, got {batch_rollouts}")
         for name, value in (("queue_rollouts", queue_rollouts), ("max_running", max_running),
@@ -97,6 +107,9 @@ class StalenessManager:
         self.consumed = 0       # handed to the trainer
         self.dropped = 0        # discarded as too stale
         self.skipped_batches = 0   # consumed batches whose update was not applied (no new policy version)
+        self.filtered = 0          # rows removed at completion (no reward contrast), all time
+        self.filtered_since_take = 0
+        self.split = split
         self.next_ticket = 0
         self._chunks: list[Chunk] = []     # admitted and not yet consumed/dropped, ticket order
         self._restart: list[Chunk] = []    # admitted before a resume, to be generated again (ticket order)
@@ -160,14 +173,26 @@ class StalenessManager:
             self._restart.append(chunk)
             self._restart.sort(key=lambda c: c.ticket)
 
-    def complete(self, chunk: Chunk, payload: Any = None) -> None:
-        """The chunk finished generating (and was scored); it becomes available in ticket order."""
+    def complete(self, chunk: Chunk, payload: Any = None, kept: int | None = None) -> None:
+        """The chunk finished generating (and was scored); it becomes available in ticket order. `kept`: the
+        rows of `payload` when fewer than admitted (the rest filtered out); a chunk that kept none leaves the
+        queue."""
         if chunk.done:
             raise ValueError(f"chunk with ticket {chunk.ticket} completed twice")
+        kept = chunk.size if kept is None else int(kept)
+        if not 0 <= kept <= chunk.size:
+            raise ValueError(f"chunk with ticket {chunk.ticket}: kept {kept} of {chunk.size} rows")
+        if kept < chunk.size and self.split is None and kept:
+            raise ValueError("a chunk completed with fewer rows needs a `split` function (batches may end in it)")
         chunk.done = True
         chunk.payload = payload
         self.running -= chunk.size
-        self.accepted += chunk.size
+        self.accepted += kept
+        self.filtered += chunk.size - kept
+        self.filtered_since_take += chunk.size - kept
+        chunk.size = kept
+        if not kept:
+            self._chunks.remove(chunk)
 
     # -- consumption -------------------------------------------------------------------------------------------
     def _is_stale(self, chunk: Chunk, trainer_version: int) -> bool:
@@ -208,12 +233,20 @@ class StalenessManager:
         taken, total = [], 0
         while total < self.batch_rollouts:
             chunk = self._chunks.pop(0)
+            need = self.batch_rollouts - total
+            if chunk.size > need and self.split is not None:   # the batch ends inside this chunk
+                head, rest = self.split(chunk.payload, need)
+                self._chunks.insert(0, Chunk(ticket=chunk.ticket, size=chunk.size - need, version=chunk.version,
+                                             meta=dict(chunk.meta), payload=rest, done=True))
+                chunk = Chunk(ticket=chunk.ticket, size=need, version=chunk.version, meta=chunk.meta,
+                              payload=head, done=True)
             taken.append(chunk)
             total += chunk.size
         if total != self.batch_rollouts:
             raise RuntimeError(f"chunks do not tile the batch: took {total} rollouts for B={self.batch_rollouts}; "
                                "the chunk size must divide the rollouts per step")
         self.consumed += total
+        self.filtered_since_take = 0
         staleness = [trainer_version - c.version for c in taken for _ in range(c.size)]
         dropped, self._pending_drops = self._pending_drops, []
         metrics = staleness_metrics(staleness, self.batch_rollouts)
@@ -226,6 +259,11 @@ class StalenessManager:
     def queue_depth(self) -> int:
         """Completed rollouts waiting for the trainer."""
         return sum(c.size for c in self._chunks if c.done)
+
+    @property
+    def frontier_ticket(self) -> int:
+        """The first ticket not yet consumed (or filtered / dropped): where the data stream stands."""
+        return self._chunks[0].ticket if self._chunks else self.next_ticket
 
     @property
     def outstanding(self) -> int:
@@ -247,7 +285,8 @@ class StalenessManager:
         return {
             "batch_rollouts": self.batch_rollouts, "accepted": self.accepted, "running": self.running,
             "consumed": self.consumed, "dropped": self.dropped, "next_ticket": self.next_ticket,
-            "skipped_batches": self.skipped_batches,
+            "skipped_batches": self.skipped_batches, "filtered": self.filtered,
+            "filtered_since_take": self.filtered_since_take,
             "chunks": [{"ticket": c.ticket, "size": c.size, "version": c.version, "meta": c.meta,
                         "done": c.done, "payload": c.payload if c.done else None}
                        for c in self._chunks],
@@ -260,6 +299,8 @@ class StalenessManager:
         for key in ("accepted", "running", "consumed", "dropped", "next_ticket"):
             setattr(self, key, int(state[key]))
         self.skipped_batches = int(state.get("skipped_batches", 0))   # absent in checkpoints before it existed
+        self.filtered = int(state.get("filtered", 0))
+        self.filtered_since_take = int(state.get("filtered_since_take", 0))
         chunks = [Chunk(ticket=int(c["ticket"]), size=int(c["size"]), version=int(c["version"]),
                         meta=dict(c["meta"]), payload=c["payload"], done=bool(c["done"]))
                   for c in state["chunks"]]
