@@ -19,6 +19,7 @@ An episode ends when the environment says done, at `max_turns`, when a turn ends
 
 from __future__ import annotations
 
+import copy
 import math
 import time
 from collections.abc import Callable
@@ -66,8 +67,25 @@ def generate_episodes(sampler, tokenizer, make_env: Callable, examples: list, n:
     """n episodes per example (rows [e0 x n, e1 x n, ...], group ids = example index), one environment from
     `make_env()` each; every turn generates for all live episodes in one `sampler.generate` call. `failures`:
     the run's FailureWatch (covrl.tasks.failures) of the environment's steps: a step that raises ends its
-    episode at reward 0 and is counted; the first shows its traceback, and too many stop the run."""
-    envs = [make_env() for _ in examples for _ in range(n)]
+    episode at reward 0 and is counted; the first shows its traceback, and too many stop the run. Environments
+    with a `close()` (a server session) are closed at the end, also when the batch fails."""
+    if hasattr(make_env, "run_episodes"):   # an environment framework that plays its own episodes (verifiers)
+        return _driven_episodes(sampler, tokenizer, make_env, examples, n, generator=generator,
+                                policy_version=policy_version, greedy=greedy, failures=failures)
+    envs: list = []
+    try:
+        envs = [make_env() for _ in examples for _ in range(n)]
+        return _episodes(envs, sampler, tokenizer, examples, n, generator=generator, chat_template=chat_template,
+                         max_turns=max_turns, policy_version=policy_version, greedy=greedy, failures=failures)
+    finally:
+        for env in envs:
+            if hasattr(env, "close"):
+                env.close()
+
+
+def _episodes(envs: list, sampler, tokenizer, examples: list, n: int, *, generator: torch.Generator,
+              chat_template: bool, max_turns: int, policy_version: int | None, greedy: bool,
+              failures) -> EpisodeBatch:
     row_examples = [ex for ex in examples for _ in range(n)]
     episodes = []
     for env, ex in zip(envs, row_examples):
@@ -102,17 +120,19 @@ def generate_episodes(sampler, tokenizer, make_env: Callable, examples: list, n:
             ep.final_text = tokenizer.decode(toks, skip_special_tokens=True)
             if not toks or toks[-1] not in eos:
                 ep.end = "length"
-                continue
+                # optional step_cut: an environment that grades the cut turn itself (OpenEnv: its reward)
+                if not hasattr(envs[i], "step_cut"):
+                    continue
             steps += 1
             try:
-                step = envs[i].step(ep.final_text)
+                step = envs[i].step_cut(ep.final_text) if ep.end == "length" else envs[i].step(ep.final_text)
             except Exception as err:  # noqa: BLE001 - a broken environment ends its episode at reward 0, counted
                 ep.end, ep.reward = "error", 0.0
                 failed += 1
                 if failures is not None:
                     failures.failed(err, f"episode {i}, turn {turn + 1}", f"message {ep.final_text[:80]!r}")
                 continue
-            if step.done:
+            if step.done or ep.end == "length":
                 ep.reward = step.reward
                 continue
             if turn == max_turns - 1:   # the model still wanted a tool: no final answer
@@ -133,6 +153,83 @@ def generate_episodes(sampler, tokenizer, make_env: Callable, examples: list, n:
     for ep, env in zip(episodes, envs):
         ep.env_metrics = env.metrics() if hasattr(env, "metrics") else {}
     return EpisodeBatch(_assemble(episodes, n, sampler, tokenizer, policy_version, timing), episodes)
+
+
+# a tokenizer without a chat template (the tiny model's): each message's text, joined by newlines (an assistant's
+# tool calls as <tool_call>{"name": ..., "arguments": ...}</tool_call>, closed by EOS as sampled), the generation
+# prompt empty: a single-turn prompt renders to exactly the task's plain prompt, and a later turn's prompt
+# extends the tokens already drawn (one training row per episode)
+PLAIN_CHAT_TEMPLATE = (
+    "{% for m in messages %}{% if not loop.first %}\n{% endif %}{{ m['content'] or '' }}"
+    "{% for tc in m.get('tool_calls') or [] %}<tool_call>{\"name\": \"{{ tc['function']['name'] }}\", "
+    "\"arguments\": {{ tc['function']['arguments'] if tc['function']['arguments'] is string "
+    "else tc['function']['arguments'] | tojson }}}</tool_call>{% endfor %}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt and messages[-1]['role'] != 'user' %}\n{% endif %}")
+
+
+def _endpoint(env, sampler, tokenizer):
+    """The environment's generate endpoint (covrl.rollout.serve) around `sampler`, and the folder of the
+    tokenizer its client renders chats with; made at the first call, closed with the environment."""
+    server = env.endpoint
+    if server is None:
+        import tempfile
+
+        from covrl.rollout.serve import GenerateServer
+
+        server = env.endpoint = GenerateServer(sampler, generator=torch.Generator())
+        server.tokenizer_dir = tempfile.mkdtemp(prefix="covrl-tokenizer-")
+        if not getattr(tokenizer, "chat_template", None):   # plain prompts: the messages' texts, one per line
+            tokenizer = copy.copy(tokenizer)
+            tokenizer.chat_template = PLAIN_CHAT_TEMPLATE
+        tokenizer.save_pretrained(server.tokenizer_dir)
+    server.sampler = sampler
+    return server
+
+
+def _driven_episodes(sampler, tokenizer, env, examples: list, n: int, *, generator: torch.Generator,
+                     policy_version: int | None, greedy: bool, failures) -> EpisodeBatch:
+    """Episodes an environment framework plays itself against covrl's generate endpoint (covrl.tasks.
+    verifiers_env): each comes back as one token sequence with its sampled mask and log q; the tokens before
+    the first sampled one are the prompt. Every sampled token was drawn by `sampler` from `generator`."""
+    server = _endpoint(env, sampler, tokenizer)
+    server.generator, server.greedy = generator, greedy
+    version = sampler.version if policy_version is None else int(policy_version)
+    server.version = lambda: version
+    t0, batches0 = time.perf_counter(), server.batches
+    outcomes = env.run_episodes(server.base_url, server.tokenizer_dir, examples, n,
+                                temperature=float(sampler.cfg.temperature), max_tokens=int(sampler.cfg.max_new_tokens))
+    episodes, failed = [], 0
+    for i, out in enumerate(outcomes):
+        sampled = out["sampled"]
+        first = next((k for k, m in enumerate(sampled) if m), len(sampled))
+        ep = Episode(prompt=out["tokens"][:first], tokens=out["tokens"][first:],
+                     model=[int(m) for m in sampled[first:]], logq=[float(x) for x in out["logprobs"][first:]],
+                     final_text=out["final_text"], reward=float(out["reward"]), turns=int(out["turns"]),
+                     env_metrics={"branches": float(out["branches"]),
+                                  **{f"reward/{k}": v for k, v in out["terms"].items()}})
+        if out["error"] is not None or not ep.prompt or not ep.tokens:
+            ep.end, ep.reward = "error", 0.0
+            failed += 1
+            if failures is not None:
+                err = RuntimeError(out["error"] or "the episode has no sampled tokens")
+                err.remote_traceback = out.get("traceback")
+                failures.failed(err, f"episode {i}", f"example {examples[i // n].prompt[:60]!r}")
+            if not ep.prompt:   # nothing rendered: a one-token placeholder row, out of the loss
+                ep.prompt, ep.tokens, ep.model, ep.logq = [server_pad(sampler, tokenizer)], [], [], []
+        episodes.append(ep)
+    if failures is not None:
+        failures.observe(len(outcomes), failed)
+    timing = RolloutTiming(generate_s=time.perf_counter() - t0)
+    batch = _assemble(episodes, n, sampler, tokenizer, policy_version, timing)
+    env.last_batches = server.batches - batches0
+    return EpisodeBatch(batch, episodes)
+
+
+def server_pad(sampler, tokenizer) -> int:
+    pad = getattr(sampler, "pad_id", None)
+    return int(pad if pad is not None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
+                                           else tokenizer.eos_token_id))
 
 
 def _assemble(episodes: list[Episode], n: int, sampler, tokenizer, policy_version, timing) -> RolloutBatch:
@@ -207,6 +304,13 @@ def score_episodes(task, tokenizer, episodes: EpisodeBatch, examples: list, n: i
     metrics["task/tool_errors"] = sum(float((e.env_metrics or {}).get("tool_errors", 0.0)) for e in eps) / B
     for reason in ("max_turns", "length", "context", "error"):
         metrics[f"task/end_{reason}"] = sum(e.end == reason for e in eps) / B
+    # an environment's own reward terms (unweighted scores, as task.rewards logs them) and its branch count
+    terms = sorted({k for e in eps for k in (e.env_metrics or {}) if k.startswith("reward/")})
+    for k in terms:
+        metrics[f"task/{k}"] = sum(float((e.env_metrics or {}).get(k, 0.0)) for e in eps) / B
+    if any("branches" in (e.env_metrics or {}) for e in eps):
+        metrics["task/verifiers_multi_branch"] = sum(float((e.env_metrics or {}).get("branches", 1)) > 1
+                                                     for e in eps) / B
     batch = episodes.batch
     texts = [tokenizer.decode(e.tokens, skip_special_tokens=True) for e in eps]
     return batch.scored(torch.tensor(rewards, dtype=torch.float32), correct=correct, texts=texts,

@@ -4,6 +4,7 @@ from covrl.tasks.base import Example, RewardOutput
 from covrl.tasks.config import ArithmeticConfig, EnvironmentConfig, LettersConfig, TaskConfig
 from covrl.tasks.environments import ENVIRONMENTS, Environment, EnvStep, build_environment
 from covrl.tasks.failures import FailureWatch, UserCodeError
+from covrl.tasks.openenv import OpenEnvError  # noqa: F401 - registers task.env.name=openenv (imports openenv lazily)
 from covrl.tasks.registry import TASKS, get_builder
 from covrl.tasks.rewards import REWARDS, RewardFunctionError, load_user_reward, parse_last_number
 from covrl.tasks.task import PromptTooLongError, Task

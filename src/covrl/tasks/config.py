@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from typing import Any, Literal
 
 from pydantic import Field, field_validator, model_validator
@@ -84,6 +85,57 @@ class MessageConfig(Section):
     content: str = Field(..., description="the message text (an assistant message may hold <tool_call> blocks)")
 
 
+class OpenEnvConfig(Section):
+    """An OpenEnv environment server (task.env.name=openenv; covrl.tasks.openenv, docs/environments.md): one
+    WebSocket session per episode, the assistant's message as the action, the observation as the next user
+    message."""
+
+    base_url: str | list[str] | None = Field(None, description="a running server (http://host:port or "
+                                             "ws://host:port), or a list of them: each episode opens its session "
+                                             "on the least busy one")
+    server: str | None = Field(None, min_length=3, description="'module:app' / 'file.py:app': an OpenEnv app "
+                               "(create_app) that covrl serves with uvicorn on 127.0.0.1 from the first episode "
+                               "and stops at exit (instead of base_url)")
+    servers: int = Field(1, ge=1, le=256, description="local servers started for `server`: an app holding one "
+                         "session at a time (OpenEnv's default) needs one per episode running at once")
+    client: str | None = Field(None, min_length=3, description="'module:Class': the environment's EnvClient "
+                               "subclass; None = OpenEnv's GenericEnvClient (dict actions and observations)")
+    action: str | None = Field(None, min_length=3, description="'module:Class': the Action class, built as "
+                               "Class(**{action_field: text}, **action_extra); None = a dict (the server "
+                               "validates it against its own Action class)")
+    action_field: str = Field("message", min_length=1, description="action field that receives the "
+                              "assistant's message")
+    action_extra: dict[str, Any] = Field(default_factory=dict, description="constant fields added to every "
+                                         "action")
+    observation_field: str | None = Field(None, min_length=1, description="observation field shown to the "
+                                          "model as the next user message; None = the observation's only text "
+                                          "field, else all its fields as JSON")
+    opening: Literal["observation", "task", "task+observation"] = Field(
+        "observation", description="the first user message: the reset observation's text, the task's prompt, "
+        "or the task's prompt followed by the observation's text")
+    reset_fields: list[str] | None = Field(None, description="keyword arguments sent to reset, from: seed (the "
+                                           "same for a prompt's episodes), episode_id, prompt, the answer field, "
+                                           "the example's other fields; None = all (the server passes on only "
+                                           "those its reset accepts)")
+    reward_mode: Literal["sum", "last", "task"] = Field(
+        "sum", description="episode reward: the sum or the last of the step rewards (None from every step = "
+        "the task's reward scores the final message), or task = always the task's reward")
+    timeout_s: float = Field(30.0, gt=0, le=3600.0, description="seconds to connect and per reset / step "
+                             "answer; past it the call fails with the server's URL")
+    startup_timeout_s: float = Field(120.0, gt=0, le=3600.0, description="seconds for a `server` started by "
+                                     "covrl to answer /health")
+
+    @model_validator(mode="after")
+    def _one_source(self):
+        if self.base_url is not None and self.server is not None:
+            raise ValueError("set task.env.openenv.base_url (a running server) or task.env.openenv.server (an "
+                             "app covrl starts), not both")
+        if self.servers > 1 and self.server is None:
+            raise ValueError("task.env.openenv.servers > 1 needs task.env.openenv.server (list running servers in "
+                             "base_url instead)")
+        return self
+
+
 class EnvironmentConfig(Section):
     """Multi-turn episodes (covrl.tasks.environments; docs/environments.md). No name = single-turn rollouts."""
 
@@ -100,18 +152,128 @@ class EnvironmentConfig(Section):
                                                "assistant with a <tool_call>, tool result, final answer): a small "
                                                "model that never writes the call format unprompted copies it, "
                                                "so RL has calls to reinforce (empty = none)")
+    openenv: OpenEnvConfig = Field(default_factory=OpenEnvConfig, description="the OpenEnv server and its "
+                                   "text <-> action / observation mapping (task.env.name=openenv)")
+
+
+DEFAULT_JUDGE_TEMPLATE = """You are grading a response to a task.
+
+Task:
+{prompt}
+
+Reference answer:
+{answer}
+
+Response:
+{completion}
+
+How correct is the response? Reply with a line "Grade: N", N an integer from 0 (wrong) to 10 (fully correct)."""
+
+TorchDType = Literal["auto", "float32", "bfloat16", "float16"]
+
+
+class RewardModelConfig(Section):
+    """A transformers sequence-classification model scoring prompt + completion (a `task.rewards` term of
+    kind model)."""
+
+    path: str = Field(..., min_length=1, description="local folder of an AutoModelForSequenceClassification "
+                      "model with its tokenizer (never downloaded)")
+    batch_size: int = Field(16, ge=1, le=65536, description="completions per forward pass")
+    max_length: int = Field(2048, ge=8, le=1_000_000, description="tokens per scored text; longer texts keep "
+                            "their last max_length tokens (the completion's end, where the score is read)")
+    label: int | str = Field(0, description="which logit is the score: an index, or a label name of the "
+                             "model's config (id2label)")
+    normalise: Literal["none", "sigmoid", "softmax"] = Field(
+        "none", description="none: the raw logit; sigmoid: sigmoid(logit) in [0, 1]; softmax: the label's "
+        "probability over the model's labels")
+    chat_template: bool = Field(True, description="score the reward model's own chat template around "
+                                "[user: prompt, assistant: completion] when its tokenizer has one (else the "
+                                "prompt text followed by the completion)")
+    device: str = Field("cpu", min_length=1, description="torch device of the reward model (cpu, cuda, "
+                        "cuda:1, ...; auto = cuda when available)")
+    dtype: TorchDType = Field("float32", description="parameter dtype (auto: as stored)")
+
+
+class JudgeConfig(Section):
+    """An LLM judge grading each completion (a `task.rewards` term of kind judge): a prompt template, a grade
+    parser and a backend, either an OpenAI-compatible endpoint (`base_url`) or a local causal LM (`path`)."""
+
+    base_url: str | None = Field(None, min_length=1, description="OpenAI-compatible API root, e.g. "
+                                 "http://127.0.0.1:8000/v1 (vllm serve); requests go to <base_url>/chat/completions")
+    model: str | None = Field(None, min_length=1, description="model name sent to the endpoint (vllm serve: the "
+                              "served model name); None = not sent")
+    api_key_env: str | None = Field(None, min_length=1, description="environment variable holding a bearer "
+                                    "token for the endpoint (None = no Authorization header)")
+    path: str | None = Field(None, min_length=1, description="local folder of a causal LM judge (transformers "
+                             "generate, greedy), instead of base_url")
+    template: str = Field(DEFAULT_JUDGE_TEMPLATE, min_length=1, description="the judge's prompt: {prompt}, "
+                          "{completion} and {answer} are replaced, other braces are literal")
+    system_prompt: str | None = Field(None, description="system message sent before the template (None = none)")
+    parse: Literal["number", "label"] = Field(
+        "number", description="number: the last match of `pattern` (its first group a number g) gives "
+        "(g - min_grade) / (max_grade - min_grade), a g outside [min_grade, max_grade] is an error; label: the "
+        "last of `labels` found as a whole word (case-insensitive) gives its value")
+    pattern: str = Field(r"(?i)grade\s*[:=]?\s*\**\s*(-?\d+(?:\.\d+)?)", min_length=1,
+                         description="regex whose first group is the grade (parse=number)")
+    min_grade: float = Field(0.0, description="lowest grade (maps to 0)")
+    max_grade: float = Field(10.0, description="highest grade (maps to 1)")
+    labels: dict[str, float] = Field(default_factory=lambda: {"yes": 1.0, "no": 0.0},
+                                     description="word -> value in [0, 1] (parse=label)")
+    max_new_tokens: int = Field(64, ge=1, le=65536, description="longest judge reply in tokens")
+    timeout_s: float = Field(30.0, gt=0, le=86400.0, description="per-request timeout of the endpoint (socket "
+                             "timeout: connect and each read)")
+    retries: int = Field(2, ge=0, le=100, description="retries of a request that timed out, could not connect "
+                         "or got HTTP 429/5xx (other 4xx are not retried)")
+    backoff_s: float = Field(0.5, ge=0, le=600.0, description="wait before the first retry, doubled each retry")
+    concurrency: int = Field(8, ge=1, le=1024, description="requests in flight at once")
+    batch_size: int = Field(8, ge=1, le=65536, description="prompts per generate call (local judge)")
+    device: str = Field("cpu", min_length=1, description="torch device of a local judge (auto = cuda when "
+                        "available)")
+    dtype: TorchDType = Field("float32", description="parameter dtype of a local judge (auto: as stored)")
+
+    @model_validator(mode="after")
+    def _check(self):
+        if (self.base_url is None) == (self.path is None):
+            raise ValueError("judge: set exactly one of base_url (an OpenAI-compatible endpoint) and path (a "
+                             "local causal LM folder)")
+        if "{completion}" not in self.template:
+            raise ValueError("judge.template has no {completion} placeholder: the judge would not see the response")
+        if self.parse == "number":
+            try:
+                groups = re.compile(self.pattern).groups
+            except re.error as err:
+                raise ValueError(f"judge.pattern={self.pattern!r} is not a regex: {err}") from None
+            if groups < 1:
+                raise ValueError(f"judge.pattern={self.pattern!r} has no group; its first group is the grade")
+            if not self.max_grade > self.min_grade:
+                raise ValueError(f"judge.max_grade={self.max_grade} must exceed judge.min_grade={self.min_grade}")
+        else:
+            if not self.labels:
+                raise ValueError("judge.labels is empty (parse=label)")
+            bad = {k: v for k, v in self.labels.items() if not 0.0 <= v <= 1.0 or not k.strip()}
+            if bad:
+                raise ValueError(f"judge.labels: values must lie in [0, 1] and words be non-empty; got {bad}")
+        return self
+
+
+RewardKind = Literal["fn", "model", "judge"]
 
 
 class RewardTermConfig(Section):
-    """One weighted term of `task.rewards`: the run's reward is Σ weight·fn(...), each term logged."""
+    """One weighted term of `task.rewards`: the run's reward is Σ weight·term(...), each term logged. kind fn: a
+    reward function; model: a reward model (`model`); judge: an LLM judge (`judge`)."""
 
-    fn: str = Field(..., min_length=1, description="reward registry name, or a user reward 'module:function' / "
-                    "'file.py:function'")
+    kind: RewardKind = Field("fn", description="fn: a reward function (`fn`); model: a sequence-classification "
+                             "reward model (`model`); judge: an LLM judge (`judge`)")
+    fn: str | None = Field(None, min_length=1, description="reward registry name, or a user reward "
+                           "'module:function' / 'file.py:function' (kind fn)")
+    model: RewardModelConfig | None = Field(None, description="the reward model (kind model)")
+    judge: JudgeConfig | None = Field(None, description="the judge (kind judge)")
     weight: float = Field(1.0, description="weight of this term in the summed reward")
     name: str | None = Field(None, min_length=1, description="name in the logs (task/reward/<name>); default: "
-                             "the registry name or the function's name")
+                             "the registry name or the function's name (kind fn), else the kind")
     signature: Signature = Field("auto", description="covrl: fn(completion, example) -> float; trl: "
-                                 "fn(completions, **columns) -> list[float]; auto: from the parameters")
+                                 "fn(completions, **columns) -> list[float]; auto: from the parameters (kind fn)")
 
     @field_validator("weight", mode="before")
     @classmethod
@@ -120,9 +282,46 @@ class RewardTermConfig(Section):
             raise ValueError(f"weight must be a number, not a boolean; got {v!r}")
         return v
 
+    @model_validator(mode="after")
+    def _one_source(self):
+        given = {k for k in ("fn", "model", "judge") if getattr(self, k) is not None}
+        if self.kind not in given:
+            raise ValueError(f"a reward term of kind {self.kind} needs `{self.kind}`"
+                             + (f" (found {', '.join(sorted(given))}: set kind accordingly)" if given else ""))
+        if given != {self.kind}:
+            raise ValueError(f"a reward term of kind {self.kind} takes `{self.kind}` only; remove "
+                             f"{', '.join(sorted(given - {self.kind}))} (or change kind)")
+        return self
+
     @property
     def log_name(self) -> str:
-        return self.name or self.fn.rpartition(":")[2]
+        if self.name:
+            return self.name
+        return self.fn.rpartition(":")[2] if self.kind == "fn" else self.kind
+
+
+class VerifiersConfig(Section):
+    """A verifiers environment (task.name=verifiers; covrl.tasks.verifiers_env, docs/environments.md): its taskset,
+    played by covrl's policy through verifiers' own harness and runtime."""
+
+    taskset: str | None = Field(None, min_length=1, description="the taskset: an installed module exporting its "
+                                "Taskset (a verifiers id, e.g. my_taskset or owner/my-taskset) or a folder holding "
+                                "that package (required for task.name=verifiers)")
+    options: dict[str, Any] = Field(default_factory=dict, description="the taskset's own config fields")
+    env_options: dict[str, Any] = Field(default_factory=dict, description="fields of the environment's config "
+                                        "(verifiers EnvConfig: id, max_concurrent_agents, an env's own fields)")
+    harness: str = Field("null", min_length=1, description="the agent's harness id (null: verifiers' chat loop)")
+    harness_options: dict[str, Any] = Field(default_factory=dict, description="the harness's config fields")
+    runtime: dict[str, Any] = Field(default_factory=lambda: {"type": "subprocess"}, description="the harness "
+                                    "runtime (verifiers RuntimeConfig; subprocess = this machine)")
+    renderer: dict[str, Any] = Field(default_factory=dict, description="the renderers config that turns chats "
+                                     "into tokens (e.g. {type: default, tool_parser: hermes}); empty = the "
+                                     "tokenizer's chat template, no tool parsing")
+    pool_size: int | None = Field(None, ge=1, le=10_000_000, description="tasks read after the held-out ones "
+                                  "(the training pool); None = task.n_train")
+    max_concurrent: int = Field(64, ge=1, le=100_000, description="episodes played at once")
+    episode_timeout_s: float | None = Field(600.0, gt=0, le=86400.0, description="one episode's deadline "
+                                            "(verifiers' env timeout); past it the episode fails, counted")
 
 
 class TaskConfig(Section):
@@ -130,13 +329,15 @@ class TaskConfig(Section):
 
     name: str = Field("arithmetic", description="task registry name: arithmetic, count_letters, "
                       "sort_letters, fib_chain (long worked solutions), jsonl (path = a .jsonl file), hf_dataset (path = a local datasets folder), "
-                      "reasoning_gym (task.reasoning_gym.dataset)")
+                      "reasoning_gym (task.reasoning_gym.dataset), verifiers (task.verifiers.taskset)")
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig, description="arithmetic options")
     letters: LettersConfig = Field(default_factory=LettersConfig, description="count/sort letters options")
     fib_chain: FibChainConfig = Field(default_factory=FibChainConfig, description="fib_chain options (a "
                                       "multi-step recurrence whose worked solution is the demonstration)")
     env: EnvironmentConfig = Field(default_factory=EnvironmentConfig, description="multi-turn episodes with "
                                    "tools (env.name set) instead of single-turn completions")
+    verifiers: VerifiersConfig = Field(default_factory=VerifiersConfig,
+                                       description="verifiers environment (task.name=verifiers)")
     reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig,
                                               description="reasoning-gym dataset (task.name=reasoning_gym)")
     overlong_reward: OverlongRewardConfig = Field(default_factory=OverlongRewardConfig,
@@ -155,7 +356,9 @@ class TaskConfig(Section):
                                         "(per batch, TRL's), auto = detected from its parameters")
     rewards: list[RewardTermConfig] = Field(default_factory=list, description="weighted reward terms "
                                             "[{fn, weight, name, signature}, ...]: reward = sum of weight*fn; "
-                                            "overrides `reward`; each logged as task/reward/<name>")
+                                            "overrides `reward`; each logged as task/reward/<name>; a term "
+                                            "{kind: model, model: {path}} is a reward model, {kind: judge, "
+                                            "judge: {base_url | path}} an LLM judge (docs/training.md)")
     grader: str = Field("auto", description="reward registry name whose value >= 1 means correct "
                         "(accuracy); auto = the task's natural grader (math_verify when task.reward=math_verify)")
     n_train: int = Field(1000, ge=1, le=10_000_000, description="training examples (drawn from the train pool)")
@@ -206,6 +409,12 @@ class TaskConfig(Section):
     def _needs_path(self):
         if self.name in ("jsonl", "hf_dataset") and not self.path:
             raise ValueError(f"task.path is required for task.name={self.name!r}")
+        if self.name == "verifiers" and not self.verifiers.taskset:
+            raise ValueError("task.verifiers.taskset is required for task.name='verifiers' (an installed taskset "
+                             "module or a folder holding one)")
+        if self.name == "verifiers" and self.env.name is not None:
+            raise ValueError(f"task.env.name={self.env.name!r}: a verifiers task runs its own episodes; leave "
+                             "task.env.name unset")
         if self.name == "reasoning_gym" and not self.reasoning_gym.dataset:
             raise ValueError("task.reasoning_gym.dataset is required for task.name='reasoning_gym' (e.g. "
                              "basic_arithmetic, leg_counting)")

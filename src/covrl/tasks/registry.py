@@ -14,6 +14,7 @@ TASKS: dict[str, str] = {
     "jsonl": "covrl.tasks.datasets:build_jsonl",
     "hf_dataset": "covrl.tasks.datasets:build_hf_dataset",
     "reasoning_gym": "covrl.tasks.procedural:build_reasoning_gym",   # extra covrl[reasoning]
+    "verifiers": "covrl.tasks.verifiers_env:build_verifiers",         # extra covrl[envs]
 }
 
 

@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from covrl.tasks.base import Example, RewardOutput
-from covrl.tasks.config import TaskConfig
+from covrl.tasks.config import RewardTermConfig, TaskConfig
 from covrl.tasks.graders import check_available
+from covrl.tasks.reward_models import TERM_KINDS
 from covrl.tasks.rewards import (
     ISOLATED_REWARDS,
     REWARDS,
@@ -40,9 +41,9 @@ class Task:
         auto_grader = "math_verify" if cfg.reward == "math_verify" else default_grader
         self.grader_name = auto_grader if cfg.grader == "auto" else cfg.grader
         if cfg.rewards:
-            # weighted terms, each logged; a bare registry name is a built-in, anything else a user function
-            self._terms = [(t.log_name, t.weight, self._runner(t.fn, t.log_name, t.signature, user=t.fn not in REWARDS))
-                           for t in cfg.rewards]
+            # weighted terms, each logged, built by kind: fn (a reward function), model, judge (TERM_KINDS)
+            builders = {"fn": self._function_term, **TERM_KINDS}
+            self._terms = [(t.log_name, t.weight, builders[t.kind](cfg, i, t)) for i, t in enumerate(cfg.rewards)]
             self.reward_name = " + ".join(f"{w:g}*{n}" for n, w, _ in self._terms)
         else:
             self._terms = [(self.reward_name, 1.0, self._runner(self.reward_name, self.reward_name,
@@ -59,6 +60,10 @@ class Task:
         # factory of a fresh Environment per episode (covrl.tasks.environments), set when task.env.name is
         self.environment = None
         self.env_failures = None   # its FailureWatch (covrl.tasks.failures), set with it
+
+    def _function_term(self, cfg: TaskConfig, index: int, term: RewardTermConfig) -> RewardRunner:
+        # a bare registry name is a built-in, anything else a user function
+        return self._runner(term.fn, term.log_name, term.signature, user=term.fn not in REWARDS)
 
     def _runner(self, spec: str, name: str, signature: str, *, user: bool) -> RewardRunner:
         cfg = self.cfg
@@ -128,7 +133,8 @@ class Task:
               lengths: list[int] | None = None) -> RewardOutput:
         """rewards_i = reward(completion_i, example_i) (0.0 on error/timeout, counted in `errors`), or
         Σ_k weight_k·term_k with `task.rewards` (each term's mean in reward/reward/<name>, its failures in
-        reward/errors/<name>); correct_i = grader(completion_i, example_i) >= 1. Empty completions are scored
+        reward/errors/<name>, and a reward model's / judge's own reward/model/<name>/..., reward/judge/<name>/...);
+        correct_i = grader(completion_i, example_i) >= 1. Empty completions are scored
         like any text. With `task.overlong_reward.buffer > 0` and the response `lengths` in tokens, DAPO's soft
         overlong penalty is added to each reward (reward/overlong_penalty: its mean; reward/overlong_frac: the
         fraction of responses penalised); the grader's verdict is unchanged."""
@@ -145,6 +151,7 @@ class Task:
             if self.cfg.rewards:
                 per_term[f"reward/reward/{name}"] = sum(values) / n
                 per_term[f"reward/errors/{name}"] = float(term_errors)
+                per_term.update(getattr(runner, "step_metrics", {}))   # a model / judge term's own
         if self._grader_is_reward:
             correct = [v >= 1.0 for v in values]
         elif isinstance(self._grader, RewardRunner):
