@@ -50,3 +50,14 @@ class RewardOutput:
     correct: list[bool]
     errors: int
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+def cycle_epochs(pool: list, n: int, rng) -> list:
+    """`n` items drawn from `pool` in epochs: each epoch a fresh shuffle of the whole pool by `rng` (a
+    random.Random), so every item appears once per epoch before any repeats."""
+    out: list = []
+    while len(out) < n:
+        epoch = pool[:]
+        rng.shuffle(epoch)
+        out.extend(epoch[: n - len(out)])
+    return out

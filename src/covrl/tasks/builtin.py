@@ -11,7 +11,7 @@ import random
 import string
 from collections.abc import Callable, Iterator
 
-from covrl.tasks.base import Example
+from covrl.tasks.base import Example, cycle_epochs
 from covrl.tasks.config import TaskConfig
 from covrl.tasks.task import Task
 
@@ -31,12 +31,7 @@ def split_train_eval(enumerate_space: Callable[[], Iterator[Example]] | None, sp
             raise ValueError(f"task.n_eval={n_eval} leaves no training problems: the problem space has only "
                              f"{len(space)} distinct problems; lower n_eval or widen the task")
         eval_set, pool = space[:n_eval], space[n_eval:]
-        train: list[Example] = []
-        while len(train) < n_train:
-            epoch = pool[:]
-            rng.shuffle(epoch)
-            train.extend(epoch[: n_train - len(train)])
-        return train, eval_set
+        return cycle_epochs(pool, n_train, rng), eval_set
     eval_set, seen = [], set()
     for _ in range(50 * n_eval + 100):
         if len(eval_set) >= n_eval:

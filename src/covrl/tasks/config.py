@@ -313,7 +313,7 @@ class VerifiersConfig(Section):
     harness: str = Field("null", min_length=1, description="the agent's harness id (null: verifiers' chat loop)")
     harness_options: dict[str, Any] = Field(default_factory=dict, description="the harness's config fields")
     runtime: dict[str, Any] = Field(default_factory=lambda: {"type": "subprocess"}, description="the harness "
-                                    "runtime (verifiers RuntimeConfig; subprocess = this machine)")
+                                    "runtime (verifiers RuntimeConfig; subprocess = processes on the host covrl runs on)")
     renderer: dict[str, Any] = Field(default_factory=dict, description="the renderers config that turns chats "
                                      "into tokens (e.g. {type: default, tool_parser: hermes}); empty = the "
                                      "tokenizer's chat template, no tool parsing")

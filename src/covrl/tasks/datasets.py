@@ -8,7 +8,7 @@ import os
 import random
 from pathlib import Path
 
-from covrl.tasks.base import Example
+from covrl.tasks.base import Example, cycle_epochs
 from covrl.tasks.config import TaskConfig
 from covrl.tasks.rewards import _as_number
 from covrl.tasks.task import Task
@@ -106,11 +106,7 @@ def _task_from_records(cfg: TaskConfig, rows: list[Example], eval_rows: list[Exa
     pool = [e for e in rows if e.prompt not in held_out]
     if not pool:
         raise DatasetError(f"{cfg.path}: every training prompt also occurs in the eval set")
-    train: list[Example] = []
-    while len(train) < cfg.n_train:
-        epoch = pool[:]
-        rng.shuffle(epoch)
-        train.extend(epoch[: cfg.n_train - len(train)])
+    train = cycle_epochs(pool, cfg.n_train, rng)
     numeric = all(_as_number(e.answer) is not None for e in pool + eval_rows)
     default = "last_number" if numeric else "exact_match"
     return Task(cfg, train, eval_rows, default_reward=default, default_grader=default)

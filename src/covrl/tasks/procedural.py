@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 import random
 
-from covrl.tasks.base import Example
+from covrl.tasks.base import Example, cycle_epochs
 from covrl.tasks.config import TaskConfig
 from covrl.tasks.graders import reasoning_gym
 from covrl.tasks.task import Task
@@ -48,10 +48,5 @@ def reasoning_gym_examples(cfg: TaskConfig) -> tuple[list[Example], list[Example
 
 def build_reasoning_gym(cfg: TaskConfig) -> Task:
     pool, eval_set = reasoning_gym_examples(cfg)
-    rng = random.Random(cfg.seed)
-    train: list[Example] = []
-    while len(train) < cfg.n_train:
-        epoch = pool[:]
-        rng.shuffle(epoch)
-        train.extend(epoch[: cfg.n_train - len(train)])
+    train = cycle_epochs(pool, cfg.n_train, random.Random(cfg.seed))
     return Task(cfg, train, eval_set, default_reward="reasoning_gym", default_grader="reasoning_gym")

@@ -38,7 +38,7 @@ from pathlib import Path
 from typing import Any
 
 from covrl._lazy import require
-from covrl.tasks.base import Example
+from covrl.tasks.base import Example, cycle_epochs
 from covrl.tasks.config import TaskConfig
 from covrl.tasks.failures import FailureWatch
 from covrl.tasks.task import Task
@@ -227,12 +227,7 @@ def build_verifiers(cfg: TaskConfig) -> Task:
     if not pool:
         raise ValueError(f"task.verifiers: taskset {cfg.verifiers.taskset!r} has {len(found)} tasks, none left "
                          f"for training after task.n_eval={cfg.n_eval}")
-    rng = random.Random(cfg.seed)
-    train: list[Example] = []
-    while len(train) < cfg.n_train:
-        epoch = pool[:]
-        rng.shuffle(epoch)
-        train.extend(epoch[: cfg.n_train - len(train)])
+    train = cycle_epochs(pool, cfg.n_train, random.Random(cfg.seed))
     task = Task(cfg, train, eval_set, default_reward="exact_match", default_grader="exact_match")
     task.environment = env
     task.env_failures = FailureWatch(
