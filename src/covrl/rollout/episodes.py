@@ -216,7 +216,7 @@ def _driven_episodes(sampler, tokenizer, env, examples: list, n: int, *, generat
                 err.remote_traceback = out.get("traceback")
                 failures.failed(err, f"episode {i}", f"example {examples[i // n].prompt[:60]!r}")
             if not ep.prompt:   # nothing rendered: a one-token placeholder row, out of the loss
-                ep.prompt, ep.tokens, ep.model, ep.logq = [server_pad(sampler, tokenizer)], [], [], []
+                ep.prompt, ep.tokens, ep.model, ep.logq = [_pad_id(sampler, tokenizer)], [], [], []
         episodes.append(ep)
     if failures is not None:
         failures.observe(len(outcomes), failed)
@@ -226,16 +226,15 @@ def _driven_episodes(sampler, tokenizer, env, examples: list, n: int, *, generat
     return EpisodeBatch(batch, episodes)
 
 
-def server_pad(sampler, tokenizer) -> int:
+def _pad_id(sampler, tokenizer) -> int:
+    """The sampler's pad id, else the tokenizer's (its EOS when it has none)."""
     pad = getattr(sampler, "pad_id", None)
     return int(pad if pad is not None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
                                            else tokenizer.eos_token_id))
 
 
 def _assemble(episodes: list[Episode], n: int, sampler, tokenizer, policy_version, timing) -> RolloutBatch:
-    pad = getattr(sampler, "pad_id", None)
-    pad = pad if pad is not None else (tokenizer.pad_token_id if tokenizer.pad_token_id is not None
-                                       else tokenizer.eos_token_id)
+    pad = _pad_id(sampler, tokenizer)
     B = len(episodes)
     P = max(len(e.prompt) for e in episodes)
     T = max(1, max(len(e.tokens) for e in episodes))
