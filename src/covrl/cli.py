@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bandit": ("covrl.explore.cli", "run Ensemble++ and baselines on bandit environments"),
     "bench": ("covrl.bench.cli", "benchmarks against peers and the machine's limits"),
     "diagnose": ("covrl.train.launch.cli_diagnose", "report on the geometry of a run's update"),
+    "serve": ("covrl.api.cli_serve", "serve Tinker's REST API locally (for Tinker's SDK and tinker-cookbook)"),
     "selfcheck": ("covrl.selfcheck", "quick check that the install works"),
 }
 
