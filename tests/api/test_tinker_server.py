@@ -279,3 +279,22 @@ def test_cookbook_recipe_runs_and_resumes_after_a_kill_against_covrl_serve(tmp_p
         assert any("grad_norm" in ref[s] for s in range(4)) and any(ref[s]["reward/total"] > 0 for s in range(4))
     final = [json.loads(line) for line in (killed / "checkpoints.jsonl").read_text().splitlines()]
     assert final[-1]["name"] == "final" and final[-1]["state_path"].startswith("tinker://")
+
+
+def test_a_result_slower_than_the_long_poll_still_arrives(tmp_path, monkeypatch, caplog):
+    from tinker import types
+
+    import covrl.api.tinker_server as server_module
+
+    monkeypatch.setattr(server_module, "LONG_POLL_S", 0.01)
+    server = serve(tmp_path)
+    try:
+        training = tinker.ServiceClient(base_url=server.base_url).create_lora_training_client(
+            base_model="tiny", rank=2).result()
+        sampling = training.save_weights_and_get_sampling_client().result()
+        res = sampling.sample(prompt=types.ModelInput.from_ints([3, 4]), num_samples=2,
+                   sampling_params=types.SamplingParams(max_tokens=3, seed=1)).result()
+        assert [len(s.tokens) for s in res.sequences] == [3, 3]
+    finally:
+        server.close()
+    assert "try_again" not in caplog.text     # polled again quietly

@@ -62,7 +62,7 @@ CLIENT_CONFIG = {"pjwt_auth_enabled": False, "use_pyqwest_transport": False, "pa
                  "fwdbwd_max_chunk_len": 1 << 20, "fwdbwd_max_chunk_bytes_count": 1 << 40,
                  "proto_compress_fwdbwd": False, "sample_use_retrieve_futures": False,
                  "custom_loss_server_side": False, "sample_join_sampling_session": False}
-LONG_POLL_S = 20.0     # under the SDK's 45 s timeout for retrieve_future
+LONG_POLL_S = 30.0     # under the SDK's 45 s timeout for retrieve_future
 
 
 class UserError(ValueError):
@@ -173,13 +173,30 @@ class TinkerServer:
                 future.body = json.dumps({"error": f"{type(err).__name__}: {err}", "category": category}).encode()
             future.done.set()
 
+    def _on_worker(self, what: str, fn: Callable[[], Any]) -> Any:
+        """Run `fn` on the worker thread (in order with the queued jobs: one model computation at a time) and
+        return its result here, for the calls the SDK expects an answer to, not a future."""
+        result: list = []
+
+        def job():
+            result.append(fn())
+            return "application/json", b"null"
+        request_id = self._submit(what, job)["request_id"]
+        future = self._futures[request_id]
+        future.done.wait()
+        self._futures.pop(request_id, None)
+        if not result:
+            raise UserError(json.loads(future.body).get("error", f"{what} failed"))
+        return result[0]
+
     def _retrieve(self, body: dict) -> Any:
         request_id = body.get("request_id")
         future = self._futures.get(request_id)
         if future is None:
             raise UserError(f"request_id {request_id!r}: no such future")
         if not future.done.wait(LONG_POLL_S):
-            return {"type": "try_again", "queue_state": "active"}
+            # 408: the SDK polls again at once, quietly (a 200 "try_again" logs a warning every time)
+            return _Raw("application/json", _dumps({"type": "try_again", "queue_state": "active"}), status=408)
         self._futures.pop(request_id, None)
         return _Raw(future.content_type, future.body)
 
@@ -358,7 +375,8 @@ class TinkerServer:
         return self.service.create_sampling_client(base_model=base_model), base_model
 
     def _create_sampling_session(self, body: dict) -> dict:
-        client, base_model = self._sampling_client(body.get("model_path"), body.get("base_model"))
+        client, base_model = self._on_worker(
+            "create_sampling_session", lambda: self._sampling_client(body.get("model_path"), body.get("base_model")))
         return {"sampling_session_id": self._add_sampler(client, base_model, body.get("model_path")),
                 "type": "create_sampling_session"}
 
@@ -371,7 +389,8 @@ class TinkerServer:
     def _asample(self, body: dict) -> dict:
         sampler_id = body.get("sampling_session_id")
         if sampler_id is None:      # a one-off sample of a path or base model
-            client, _ = self._sampling_client(body.get("model_path"), body.get("base_model"))
+            client, _ = self._on_worker(
+                "sample setup", lambda: self._sampling_client(body.get("model_path"), body.get("base_model")))
         elif sampler_id in self.samplers:
             client = self.samplers[sampler_id].client
         else:
@@ -479,6 +498,7 @@ class _HTTPServer(ThreadingHTTPServer):
 class _Raw:
     content_type: str
     body: bytes
+    status: int = 200
 
 
 def _dumps(value: Any) -> bytes:
@@ -491,7 +511,7 @@ def _json(value: Any) -> tuple[str, bytes]:
 
 def _answer(value: Any) -> tuple[int, str, bytes]:
     if isinstance(value, _Raw):
-        return 200, value.content_type, value.body
+        return value.status, value.content_type, value.body
     return 200, "application/json", _dumps(value)
 
 
