@@ -1,7 +1,7 @@
 """Run a tinker-cookbook recipe (the PyPI package's own code, unchanged) offline against `covrl serve`.
 
     covrl serve --config default --port 8765 &
-    TINKER_API_KEY=tml-local python examples/cookbook_recipe.py sl_loop --data examples/tinker_chat.jsonl \\
+    TINKER_API_KEY=tml-local python examples/cookbook_recipe.py sl_loop --data examples/cookbook_chat.jsonl \\
         base_url=http://127.0.0.1:8765 model_name=HuggingFaceTB/SmolLM2-135M-Instruct batch_size=8 max_steps=4
 
 Everything after the recipe's name and this script's options goes to the recipe's own command line (chz).
