@@ -1,5 +1,5 @@
 """The fault-injection hooks themselves (covrl.train.faults): spec parsing, hit counting, the trace file, the
-ENOSPC action, and a real SIGKILL of a child process at the n-th hit."""
+ENOSPC and EROFS actions, SIGTERM at a point, and a real SIGKILL of a child process at the n-th hit."""
 
 from __future__ import annotations
 
@@ -72,6 +72,13 @@ def test_enospc_fires_at_the_nth_hit_only(fault_env):
     faults.fault_point("checkpoint-write")  # hit 3: past the target
 
 
+def test_erofs_fires_a_read_only_error_at_the_shard_point(fault_env):
+    fault_env("checkpoint-shards:1:erofs")
+    with pytest.raises(OSError) as info:
+        faults.fault_point("checkpoint-shards")
+    assert info.value.errno == errno.EROFS and "Read-only file system" in str(info.value)
+
+
 @pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
 def test_kill_action_sigkills_the_process_at_the_nth_hit(tmp_path):
     trace = tmp_path / "trace"
@@ -82,3 +89,14 @@ def test_kill_action_sigkills_the_process_at_the_nth_hit(tmp_path):
     assert proc.returncode == -signal.SIGKILL
     assert proc.stdout.split() == ["0", "1"]
     assert [line.split()[2] for line in trace.read_text().splitlines()] == ["1", "2", "3"]
+
+
+@pytest.mark.skipif(not hasattr(signal, "SIGKILL"), reason="needs POSIX signals")
+def test_term_action_sends_sigterm_to_the_process_and_carries_on():
+    code = ("import signal\nfrom covrl.train.faults import fault_point\n"
+            "signal.signal(signal.SIGTERM, lambda *a: print('handler', flush=True))\n"
+            "for i in range(3):\n    fault_point('generate')\n    print(i, flush=True)\n")
+    env = {**os.environ, faults.ENV: "generate:2:term"}
+    proc = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.split() == ["0", "handler", "1", "2"]

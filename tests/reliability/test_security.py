@@ -6,7 +6,9 @@
 - config strings that look like code are refused as unknown names, never evaluated;
 - a user reward is loaded from exactly the file/module the user names;
 - a checkpoint whose trainer_state.pt carries a pickled payload (or garbage) is refused with a clear error and
-  nothing in it runs; checkpoints hold weights as safetensors only."""
+  nothing in it runs; checkpoints hold weights as safetensors only;
+- a sharded (fsdp2) checkpoint's dcp/.metadata, a pickle that torch.distributed.checkpoint itself would
+  `pickle.load`, is read through an allowlist unpickler: a payload in it is refused, not run."""
 
 from __future__ import annotations
 
@@ -30,6 +32,18 @@ UNPICKLE_ALLOWED = {
     ("train/asyncrl/process_pool.py", "_loads"): "messages from covrl's own spawned sampler process (what a multiprocessing "
                                         "queue unpickles anyway); never data from disk or the network",
 }
+# file -> why it imports pickle: a restricted Unpickler (its find_class names an allowlist; checked by the scan)
+RESTRICTED_UNPICKLER_ALLOWED = {
+    "train/parallel/shards.py": "DCP's dcp/.metadata through an allowlist of torch.distributed.checkpoint's "
+                                "metadata classes, in place of DCP's own pickle.load",
+}
+
+
+def _defines_restricted_unpickler(tree: ast.AST) -> bool:
+    """A class deriving from pickle.Unpickler that overrides find_class (the allowlist)."""
+    return any(isinstance(node, ast.ClassDef) and any(dotted(b) == "pickle.Unpickler" for b in node.bases)
+               and any(isinstance(f, ast.FunctionDef) and f.name == "find_class" for f in node.body)
+               for node in ast.walk(tree))
 
 
 def dotted(node: ast.AST) -> str:
@@ -56,7 +70,10 @@ def scan(path: Path, rel: str | None = None) -> list[str]:
     for node in ast.walk(tree):
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             names = [a.name for a in node.names] + ([node.module] if isinstance(node, ast.ImportFrom) else [])
-            if any(n and n.split(".")[0] in ("pickle", "marshal", "dill", "cloudpickle", "shelve") for n in names):
+            restricted = rel in RESTRICTED_UNPICKLER_ALLOWED and _defines_restricted_unpickler(tree) and all(
+                n in ("pickle", None) for n in names)
+            if any(n and n.split(".")[0] in ("pickle", "marshal", "dill", "cloudpickle", "shelve") for n in names) \
+                    and not restricted:
                 found.append(f"{rel}:{node.lineno}: imports a pickle-style deserializer")
         if not isinstance(node, ast.Call):
             continue
@@ -200,3 +217,26 @@ def test_a_pickled_payload_in_a_checkpoint_is_refused_not_run(tmp_path, capsys):
     model, _ = load_model(load_config(TINY, overrides).model)
     with pytest.raises(ckpt.CheckpointError, match="model.safetensors: unreadable weights"):
         ckpt.load_model_weights(model, latest / "model")
+
+
+def test_a_pickled_payload_in_sharded_metadata_is_refused_not_run(tmp_path):
+    """dcp/.metadata of an fsdp2 checkpoint is a pickle (torch.distributed.checkpoint writes it so and would read
+    it with pickle.load): covrl reads it through an allowlist, for the resume check and for the load itself."""
+    import pickle
+
+    from covrl.train.parallel import shards
+
+    marker = tmp_path / "executed"
+    dcp_dir = tmp_path / "dcp"
+    dcp_dir.mkdir()
+    (dcp_dir / ".metadata").write_bytes(pickle.dumps(_Payload(marker)))
+    with pytest.raises(ValueError, match=r"\.system is not part of a torch.distributed.checkpoint metadata"):
+        shards.check(dcp_dir)
+    with pytest.raises(pickle.UnpicklingError, match="it is not unpickled"):
+        shards.reader(str(dcp_dir)).read_metadata()
+    assert not marker.exists()
+    # the scan's exception is for a restricted unpickler only
+    probe = tmp_path / "shards.py"
+    probe.write_text("import pickle\n\nx = pickle.loads(b'')\n")
+    assert scan(probe, rel="train/parallel/shards.py") == ["train/parallel/shards.py:1: imports a pickle-style "
+                                                           "deserializer"]

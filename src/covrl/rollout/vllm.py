@@ -72,12 +72,14 @@ import copy
 import hashlib
 import importlib.util
 import json
+import multiprocessing.connection
 import os
 import shutil
 import sys
 import tempfile
 import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Literal
 
@@ -90,8 +92,8 @@ from covrl.rollout.prompts import check_prompts
 from covrl.rollout.types import TOPK_LOGPROB_FLOOR, RolloutBatch, RolloutTiming
 from covrl.settings import Section
 
-__all__ = ["VLLMEngineConfig", "VLLMSampler", "build_vllm_sampler", "export_model_folder", "shutdown_engines",
-           "vllm_available", "VLLM_EXTRA_HINT"]
+__all__ = ["VLLMEngineConfig", "VLLMEngineDiedError", "VLLMSampler", "build_vllm_sampler", "export_model_folder",
+           "shutdown_engines", "vllm_available", "VLLM_EXTRA_HINT"]
 
 VLLM_EXTRA_HINT = ("sampler.backend=vllm needs vLLM: pip install 'covrl[vllm]' on a GPU machine, or the CPU "
                    "build (scripts/setup_vllm_env.sh, docs/engines.md)")
@@ -228,6 +230,82 @@ def _check_cpu_head_dim(head_dim: int | None) -> None:
                          f"model choose model.tiny.num_heads so that hidden_size / num_heads is one of them")
 
 
+class VLLMEngineDiedError(RuntimeError):
+    """The vLLM engine's own process (`sampler.vllm.engine_process`) died (killed, OOM, crashed): the run stops
+    (`covrl train` exit 5, like a dead sampler worker) and can be resumed; a later sampler starts a new engine."""
+
+
+def _engine_procs(llm) -> list:
+    """The engine core process(es) of an engine in its own process (vLLM's CoreEngineProcManager), or []."""
+    core = getattr(llm.llm_engine, "engine_core", None)
+    manager = getattr(getattr(core, "resources", None), "engine_manager", None)
+    return list(getattr(manager, "processes", None) or [])
+
+
+ENGINE_DEATH_WAKE_S = 10.0   # after an engine process died, callers blocked on it are woken for this long
+ENGINE_DEATH_GRACE_S = 30.0  # a call into the engine that failed waits this long for its verdict
+
+
+def _engine_dead(entry: dict) -> bool:
+    """Whether an engine in its own process is gone or going: the watcher saw its process exit, or vLLM's client
+    saw it die (a killed worker: the engine core reports itself dead, then exits)."""
+    if entry.get("dead"):
+        return True
+    core = getattr(entry["llm"].llm_engine, "engine_core", None)
+    return bool(getattr(getattr(core, "resources", None), "engine_dead", False))
+
+
+def _drop_engine(entry: dict, why: str) -> None:
+    """Mark an engine dead and take it out of the cache, so a later sampler starts a new one."""
+    entry.setdefault("dead", why)
+    for key, cached in list(_ENGINES.items()):
+        if cached is entry:
+            del _ENGINES[key]
+
+
+def _watch_engine(key: tuple, entry: dict) -> None:
+    """engine_process: a thread that waits for the engine core process to exit. vLLM's client notices the death
+    but leaves a call in flight waiting for ever (a generate's outputs queue, a utility future: `collective_rpc`
+    of a weight push, `reset_prefix_cache`, the scheduler pause), so the run would hang. When it exits without
+    `shutdown_engines`, the engine is marked dead and dropped from the cache (a later sampler starts a new one),
+    and every caller blocked on it is woken with an error (for ENGINE_DEATH_WAKE_S, covering a call that checked
+    the engine just before it was marked)."""
+    procs = _engine_procs(entry["llm"])
+    if not procs:
+        return
+
+    def watch() -> None:
+        try:
+            multiprocessing.connection.wait([p.sentinel for p in procs])
+        except (OSError, ValueError):   # the process objects were closed: a shutdown
+            return
+        if entry.get("closed"):
+            return
+        for p in procs:
+            p.join(timeout=5.0)   # reaped, so its exit code is known
+        p = next((p for p in procs if p.exitcode is not None), procs[0])
+        code = p.exitcode
+        how = (f"killed by signal {-code}" if code is not None and code < 0 else f"exit code {code}")
+        entry["dead"] = f"engine core process {p.pid} {how}"
+        _drop_engine(entry, entry["dead"])
+        core = entry["llm"].llm_engine.engine_core
+        wake = RuntimeError(f"the vLLM engine process died ({entry['dead']})")
+        deadline = time.monotonic() + ENGINE_DEATH_WAKE_S
+        while time.monotonic() < deadline and not entry.get("closed"):
+            for future in list(getattr(core, "utility_results", {}).values()):
+                if not future.done():
+                    try:
+                        future.set_exception(wake)
+                    except Exception:  # noqa: BLE001 - resolved meanwhile
+                        pass
+            outputs = getattr(core, "outputs_queue", None)
+            if outputs is not None and outputs.empty():
+                outputs.put_nowait(wake)
+            time.sleep(0.1)
+
+    threading.Thread(target=watch, name="covrl-vllm-engine-watch", daemon=True).start()
+
+
 # the LoRA ranks vLLM accepts as max_lora_rank (vllm.config.lora.MaxLoRARanks, 0.32.0)
 _VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -239,7 +317,9 @@ def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int,
     key = (str(folder), dtype, vcfg.model_dump_json(exclude={"segment_tokens"}), max_logprobs, max_model_len,
            lora_rank, role)
     if key in _ENGINES:
-        return _ENGINES[key]
+        if not (_ENGINES[key]["process"] and _engine_dead(_ENGINES[key])):
+            return _ENGINES[key]
+        _drop_engine(_ENGINES[key], "engine core gone")   # died between two samplers: start a new one
     env = _start_env(vcfg)
     if not vcfg.engine_process and "VLLM_ENABLE_V1_MULTIPROCESSING" in os.environ:
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")   # an explicit setting of the caller wins (as before)
@@ -293,6 +373,8 @@ def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int,
         entry["weights_dir"] = Path(tempfile.mkdtemp(prefix=f"covrl-vllm-{os.getpid()}-", dir=root))
         atexit.register(shutil.rmtree, entry["weights_dir"], True)
     _ENGINES[key] = entry
+    if vcfg.engine_process:
+        _watch_engine(key, entry)
     return entry
 
 
@@ -303,6 +385,7 @@ def shutdown_engines(process_only: bool = False) -> int:
     for key, entry in list(_ENGINES.items()):
         if process_only and not entry["process"]:
             continue
+        entry["closed"] = True   # an exit the engine watcher must not report as a death
         core = getattr(entry["llm"].llm_engine, "engine_core", None)
         if core is not None and hasattr(core, "shutdown"):
             core.shutdown()
@@ -416,21 +499,22 @@ class VLLMSampler:
         state = model_or_state_dict.state_dict() if hasattr(model_or_state_dict, "state_dict") \
             else dict(model_or_state_dict)
         adapter = self._peft_config is not None
-        if not adapter or self._entry["owner"] != id(self):
-            full = state
-            if self._lora_plan is not None:   # adapter mode: the base alone (an empty plan merges nothing)
-                full = merge_lora_state_dict(state, {} if adapter else self._lora_plan, self._lora_adapter)
-            if "lm_head.weight" not in full and "model.embed_tokens.weight" in full:
-                full["lm_head.weight"] = full["model.embed_tokens.weight"]   # tied: vLLM's head is separate
-            with torch.no_grad():
-                if self._entry["process"]:
-                    _push_path(self.llm, full, self._entry["weights_dir"])
-                else:
-                    self.llm.collective_rpc("reload_weights", kwargs={
-                        "weights_iterator": iter([(k, v.detach()) for k, v in full.items()])})
-        if adapter:
-            self._push_adapter(state)
-        self.llm.reset_prefix_cache()
+        with self._engine_call(f"loading the weights of policy version {version}"):
+            if not adapter or self._entry["owner"] != id(self):
+                full = state
+                if self._lora_plan is not None:   # adapter mode: the base alone (an empty plan merges nothing)
+                    full = merge_lora_state_dict(state, {} if adapter else self._lora_plan, self._lora_adapter)
+                if "lm_head.weight" not in full and "model.embed_tokens.weight" in full:
+                    full["lm_head.weight"] = full["model.embed_tokens.weight"]   # tied: vLLM's head is separate
+                with torch.no_grad():
+                    if self._entry["process"]:
+                        _push_path(self.llm, full, self._entry["weights_dir"])
+                    else:
+                        self.llm.collective_rpc("reload_weights", kwargs={
+                            "weights_iterator": iter([(k, v.detach()) for k, v in full.items()])})
+            if adapter:
+                self._push_adapter(state)
+            self.llm.reset_prefix_cache()
         self._entry["owner"] = id(self)
         self.version = int(version)
         self.last_sync_s = time.perf_counter() - t0
@@ -563,6 +647,40 @@ class VLLMSampler:
             policy_version=torch.full((B,), version, dtype=torch.long), token_versions=out_versions,
             timing=RolloutTiming(generate_s=time.perf_counter() - t0))
 
+    @contextmanager
+    def _engine_call(self, what: str):
+        """Calls into the engine: when its own process has died (before or during the call) they raise
+        VLLMEngineDiedError naming the engine and what it was doing, not vLLM's errors (or a hang: the engine
+        watcher wakes a blocked call)."""
+        entry = self._entry
+        if entry["process"] and _engine_dead(entry):
+            _drop_engine(entry, "engine core gone")
+            raise VLLMEngineDiedError(self._died(what))
+        try:
+            yield
+        except Exception as err:
+            if not entry["process"]:
+                raise
+            # a dying engine can fail the call before it is known to be dead (a killed worker: the engine core
+            # cancels the call, reports itself dead, then exits): wait a moment for the verdict
+            deadline = time.monotonic() + ENGINE_DEATH_GRACE_S
+            while not _engine_dead(entry) and type(err).__name__ != "EngineDeadError" and \
+                    time.monotonic() < deadline and all(p.exitcode is None for p in _engine_procs(self.llm)):
+                time.sleep(0.05)
+            procs_gone = any(p.exitcode is not None for p in _engine_procs(self.llm))
+            if _engine_dead(entry) or procs_gone or type(err).__name__ == "EngineDeadError":
+                deadline = time.monotonic() + 5.0   # the watcher names the exit (pid, signal) once it is reaped
+                while procs_gone and not entry.get("dead") and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                _drop_engine(entry, "engine core gone")
+                raise VLLMEngineDiedError(self._died(what)) from err
+            raise
+
+    def _died(self, what: str) -> str:
+        why = self._entry.get("dead") or "engine core process gone"
+        return (f"the vLLM engine process died while {what} ({why}; model folder {self.folder}, dtype "
+                f"{self.dtype}, sampler.vllm.engine_process=true)")
+
     def _submit(self, reqs, params):
         lora = self._lora_request   # None unless lora_sync=adapter
         if not self._entry["process"]:
@@ -570,13 +688,14 @@ class VLLMSampler:
         # engine in its own process: requests reach it one message at a time, and its busy loop would start
         # on the first ones, so an engine step's batch (hence the last bits of every log-prob) would depend
         # on arrival timing. Paused while they arrive, the first step sees all of them, as in-process.
-        core = self.llm.llm_engine.engine_core
-        core.call_utility("pause_scheduler", "keep", False)
-        try:
-            self.llm.enqueue(reqs, params, lora_request=lora, use_tqdm=False)
-        finally:
-            core.call_utility("resume_scheduler")
-        return self.llm.wait_for_completion(use_tqdm=False)
+        with self._engine_call(f"generating {len(reqs)} rows"):
+            core = self.llm.llm_engine.engine_core
+            core.call_utility("pause_scheduler", "keep", False)
+            try:
+                self.llm.enqueue(reqs, params, lora_request=lora, use_tqdm=False)
+            finally:
+                core.call_utility("resume_scheduler")
+            return self.llm.wait_for_completion(use_tqdm=False)
 
     def _assemble(self, rows, completions, n, version, timing: RolloutTiming) -> RolloutBatch:
         B, K = len(rows), self.cfg.return_topk

@@ -6,7 +6,10 @@ The hooks are inert unless the environment asks for a fault, so production runs 
         at the n-th call of `fault_point(point)` in this process (n >= 1), do <action>:
           kill    (default) SIGKILL this process: no cleanup, no atexit, no flush -- what `kill -9` does
           enospc  raise OSError(ENOSPC, "No space left on device") at that spot (a full disk)
+          erofs   raise OSError(EROFS, "Read-only file system") at that spot (a folder that became read-only;
+                  what a chmod cannot show when the tests run as root, who ignores permission bits)
           abort   SIGABRT this process (os.abort): a native crash, as a C++ std::terminate in torch or gloo is
+          term    SIGTERM this process (a scheduler's stop, `kill`) at that exact spot; its handler takes it from there
     COVRL_FAULT_RANK=<k>
         only the process whose RANK (torchrun's environment) is k injects: one rank of a distributed run dies
     COVRL_FAULT_TRACE=<file>
@@ -23,6 +26,9 @@ Points wired into the code (one call each):
                        folder and before trainer_state.pt / COMPLETE: a half-written checkpoint on disk
     checkpoint-commit  save_checkpoint, after COMPLETE is written and before the temporary folder is renamed
                        into place
+    checkpoint-shards  covrl.train.parallel.wrappers.save_sharded (trainer.parallel=fsdp2), as each rank starts
+                       writing its torch.distributed.checkpoint shards into the temporary folder's dcp/: inside
+                       DCP's collective, which gathers every rank's failure (COVRL_FAULT_RANK picks the rank)
 
 `POINTS` lists them; `fault_point` refuses other names so a typo in a test cannot silently inject nothing.
 """
@@ -38,8 +44,8 @@ __all__ = ["ACTIONS", "ENV", "POINTS", "RANK_ENV", "TRACE_ENV", "FaultSpecError"
 ENV = "COVRL_FAULT"
 RANK_ENV = "COVRL_FAULT_RANK"
 TRACE_ENV = "COVRL_FAULT_TRACE"
-POINTS = ("generate", "backward", "checkpoint-write", "checkpoint-commit")
-ACTIONS = ("kill", "enospc", "abort")
+POINTS = ("generate", "backward", "checkpoint-write", "checkpoint-commit", "checkpoint-shards")
+ACTIONS = ("kill", "enospc", "erofs", "abort", "term")
 
 
 class FaultSpecError(ValueError):
@@ -108,8 +114,13 @@ def fault_point(point: str) -> None:
         return
     if target[1] == "enospc":
         raise OSError(errno.ENOSPC, f"No space left on device (injected by {ENV} at {point}:{hit})")
+    if target[1] == "erofs":
+        raise OSError(errno.EROFS, f"Read-only file system (injected by {ENV} at {point}:{hit})")
     if target[1] == "abort":
         os.abort()
+    if target[1] == "term":
+        os.kill(os.getpid(), signal.SIGTERM)   # the main thread's handler runs at its next bytecode
+        return
     if hasattr(signal, "SIGKILL"):
         os.kill(os.getpid(), signal.SIGKILL)
     os._exit(137)  # pragma: no cover - platforms without SIGKILL

@@ -451,6 +451,10 @@ class ProcessPool(DispatchPool):
         for q in (*self.inboxes, self.outbox):
             _abandon(q)
 
+    def stop(self) -> None:
+        super().stop()
+        self._terminate()
+
 
 def _abandon(q) -> None:
     """Let a multiprocessing queue go without waiting for its feeder thread. A put to a process that was killed
@@ -459,7 +463,3 @@ def _abandon(q) -> None:
     summary line)."""
     q.cancel_join_thread()
     q.close()
-
-    def stop(self) -> None:
-        super().stop()
-        self._terminate()

@@ -21,6 +21,8 @@ lazily; the same config runs on a laptop (local Ray instance) or a cluster (`asy
 
 from __future__ import annotations
 
+import signal
+import threading
 from typing import Any
 
 import torch
@@ -45,12 +47,18 @@ def ensure_ray(acfg) -> bool:
     if ray.is_initialized():
         return False
     kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    # ray.init replaces the SIGTERM handler with its own `sys.exit(15)`: a SystemExit that no stop path of the
+    # run handles (the driver aborted with SIGABRT, its summary left "running"). Keep the one that was there.
+    main = threading.current_thread() is threading.main_thread()
+    handler = signal.getsignal(signal.SIGTERM) if main else None
     if acfg.ray_address:
         ray.init(address=acfg.ray_address, **kwargs)
     else:
         if acfg.ray_temp_dir:
             kwargs["_temp_dir"] = acfg.ray_temp_dir
         ray.init(**kwargs)
+    if callable(handler):
+        signal.signal(signal.SIGTERM, handler)
     return True
 
 

@@ -2,9 +2,9 @@
 every way it can end to an exit code and a final summary.json status (the exit table below).
 
     0 ok · 1 unexpected error (traceback kept) · 2 bad input · 3 diverged · 4 checkpoint write failed (disk full)
-    5 a sampler worker died past its restart budget · 6 another rank of a distributed run died (set by
-    covrl.train.launch.ranks) · 7 the weight-sync alarm fired (sync_alarm.mode=raise) · 130 interrupted (Ctrl-C)
-    143 terminated (SIGTERM)
+    5 a sampler worker died past its restart budget, or the vLLM engine's own process died · 6 another rank of
+    a distributed run died (set by covrl.train.launch.ranks), or the Ray trainer actor died (covrl.train.launch.ray)
+    · 7 the weight-sync alarm fired (sync_alarm.mode=raise) · 130 interrupted (Ctrl-C) · 143 terminated (SIGTERM)
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 from covrl.models import ModelNotFoundError
+from covrl.rollout.vllm import VLLMEngineDiedError
 from covrl.tasks import PromptTooLongError, UserCodeError
 from covrl.train.asyncrl.pools import SamplerWorkerError
 from covrl.train.run.alarm import SyncAlarmError
@@ -24,7 +25,7 @@ from covrl.train.run.folder import choose_run_dir, mark_summary
 from covrl.train.run.sources import DynamicSamplingError
 from covrl.train.step.trainer import TrainingDivergedError
 
-__all__ = ["Terminated", "print_err", "run_training", "sigterm_as_interrupt"]
+__all__ = ["Terminated", "is_sigterm", "print_err", "run_training", "sigterm_as_interrupt"]
 
 
 def print_err(text: str) -> None:
@@ -36,6 +37,15 @@ class Terminated(KeyboardInterrupt):
     it; exit code 143 = 128 + SIGTERM, as a shell reports a process killed by it."""
 
 
+_sigterm_seen = threading.Event()   # set by the handler below (reset as it is installed)
+
+
+def is_sigterm(err: BaseException) -> bool:
+    """Whether an interrupt stands for a SIGTERM: a Terminated, or the plain KeyboardInterrupt that a library
+    raises in its place once the handler has run (Ray's `ray.get` does)."""
+    return isinstance(err, Terminated) or (isinstance(err, KeyboardInterrupt) and _sigterm_seen.is_set())
+
+
 @contextmanager
 def sigterm_as_interrupt():
     if threading.current_thread() is not threading.main_thread():   # signal handlers live in the main thread
@@ -43,7 +53,10 @@ def sigterm_as_interrupt():
         return
 
     def handler(signum, frame):
+        _sigterm_seen.set()
         raise Terminated("SIGTERM")
+
+    _sigterm_seen.clear()
 
     previous = signal.signal(signal.SIGTERM, handler)
     try:
@@ -106,7 +119,7 @@ def _outcome(err: BaseException, name: str, *, setup: bool) -> tuple[int | None,
     """(exit code, summary status, message) for an exception that ends `covrl train`. Code None: unexpected,
     re-raised with its traceback."""
     again = f"covrl train --resume --name {name}"
-    if isinstance(err, Terminated):
+    if is_sigterm(err):
         return 143, "interrupted", f"terminated (SIGTERM); resume with: {again}"
     if isinstance(err, KeyboardInterrupt):
         return 130, "interrupted", f"interrupted; resume with: {again}"
@@ -119,6 +132,8 @@ def _outcome(err: BaseException, name: str, *, setup: bool) -> tuple[int | None,
         if user_error is not None:
             return 2, "failed", f"{user_error}\nstopped; fix the cause, then: {again}"
         return 5, "failed", f"{err}\nstopped; resume with: {again}"   # past the worker restart budget
+    if isinstance(err, VLLMEngineDiedError):   # sampler.vllm.engine_process: the sampler's engine is gone
+        return 5, "failed", f"{err}\nstopped; resume with: {again}"
     if setup and isinstance(err, (ModelNotFoundError, FileNotFoundError, ValueError, CheckpointError)):
         return 2, "failed", str(err)
     if isinstance(err, (PromptTooLongError, UserCodeError, DynamicSamplingError, CheckpointError)):  # mid-run

@@ -25,7 +25,8 @@ import threading
 import torch.distributed as dist
 
 from covrl.models import frozen_copy, load_model
-from covrl.train.launch.exits import run_training
+from covrl.train.launch.exits import Terminated, is_sigterm, run_training
+from covrl.train.parallel.shards import ShardIOError
 from covrl.train.parallel.wrappers import Channel, init_process_group
 from covrl.train.run.folder import build_teacher, mark_summary, resolve_device, seed_everything
 from covrl.train.run.threads import apply_num_threads
@@ -48,7 +49,13 @@ def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bo
     channel = Channel()
     try:
         if rank != 0:
-            return follow(cfg, channel)
+            try:
+                return follow(cfg, channel)
+            except KeyboardInterrupt as err:   # SIGTERM / Ctrl-C (a launcher stopped passes it to every rank)
+                code = 143 if is_sigterm(err) else 130
+                print(f"covrl train: rank {rank} {'terminated (SIGTERM)' if code == 143 else 'interrupted'}",
+                      file=sys.stderr)
+                return code
         code = 1   # an exception escaping run_training (a traceback) still stops the followers
 
         run_dirs = []
@@ -64,7 +71,8 @@ def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bo
 
         crash: BaseException | None = None
         try:
-            code = run_training(cfg, prepare, train_fn, config_path=config_path, resume=resume)
+            with _sigterm_between_collectives(channel):
+                code = run_training(cfg, prepare, train_fn, config_path=config_path, resume=resume)
         except (RuntimeError, KeyboardInterrupt) as err:   # a collective's error, or SIGTERM during its handling
             crash = err
         # when a rank dies, the survivor's collective raises and torchrun's agent SIGTERMs it, in either order,
@@ -74,9 +82,14 @@ def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bo
         try:
             lost = _stop(channel, code)
             if lost is not None and run_dirs:   # the group is broken: whatever came first, a rank died
+                # this rank's own SIGTERM / Ctrl-C may be the launcher's (passed to every rank) or the one
+                # torchrun sends the survivors of a dead rank: they cannot be told apart from here
+                also = ("; this rank was terminated (SIGTERM) too: the launcher was stopped, or torchrun stopped "
+                        "the survivors of a dead rank" if code == 143 else
+                        "; this rank was interrupted too" if code == 130 else "")
                 code, crash = PEER_DIED, None
                 mark_summary(run_dirs[0], "failed", exit_code=code, reason=(
-                    f"another rank died or became unreachable mid-run (the process group broke: {lost}); "
+                    f"another rank died or became unreachable mid-run (the process group broke: {lost}){also}; "
                     f"resume with: covrl train --resume --name {run_dirs[0]}"))
                 print(f"covrl train: another rank died (exit code {code}); resume with: covrl train --resume "
                       f"--name {run_dirs[0]}", file=sys.stderr)
@@ -89,6 +102,34 @@ def train_distributed(cfg, prepare_fn, train_fn, *, config_path=None, resume: bo
     finally:
         with contextlib.suppress(RuntimeError):   # a group with a dead rank cannot always be torn down cleanly
             dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def _sigterm_between_collectives(channel: Channel):
+    """Rank 0: a SIGTERM that comes while every rank is inside the collectives of a step (a gather, a checkpoint)
+    takes effect once rank 0 has done its part (`Channel.close`). Raised midway, it left the others waiting
+    there, where the stop message cannot reach them: every rank then hung until trainer.timeout_s or torchrun's
+    SIGKILL (found by the SIGTERM trials of tests/reliability/test_distributed_faults.py)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGTERM)
+
+    def handler(signum, frame):
+        def act():
+            if callable(previous):
+                previous(signum, frame)   # sigterm_as_interrupt's: raises Terminated
+            raise Terminated("SIGTERM")
+
+        if channel.open is None:
+            act()
+        channel.deferred = act
+
+    signal.signal(signal.SIGTERM, handler)
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGTERM, previous)
 
 
 def _stop(channel: Channel, code: int) -> str | None:
@@ -120,7 +161,10 @@ def follow(cfg, channel: Channel) -> int:
         elif kind == "gather":
             trainer.full_weights()
         elif kind == "checkpoint":    # rank 0 writes the folder's other files and the COMPLETE marker
-            trainer.save_sharded(payload)
+            try:
+                trainer.save_sharded(payload)
+            except ShardIOError:   # a full disk / read-only folder: every rank raised it (DCP gathers the
+                pass                  # failures); rank 0 removes the partial folder, ends the run (4), says stop
         elif kind == "step":
             try:
                 trainer.step(payload)

@@ -27,6 +27,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 from covrl.models.compiled import CompileBackend
 from covrl.models.precision import AUTOCAST_MODES
 from covrl.settings import Section
+from covrl.train.parallel import shards
 
 __all__ = ["DCP_DIR", "DCP_KEY", "Channel", "Parallel", "TrainerConfig", "carry_optimizer_state", "free_port", "full_model_state",
            "init_process_group", "apply_optimizer_state", "load_sharded", "save_sharded", "shard_rows"]
@@ -292,7 +293,10 @@ def save_sharded(model, optimizer, directory) -> None:
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     msd, osd = get_state_dict(model, optimizer)
-    dcp.save({"model": msd, "optim": osd}, checkpoint_id=str(directory))
+    try:
+        dcp.save({"model": msd, "optim": osd}, storage_writer=shards.writer(str(directory)))
+    except dcp.api.CheckpointException as err:   # a BaseException, raised on every rank, with every rank's failure
+        raise shards.failure(err) from None   # an OSError for a full disk / read-only folder: exit 4
 
 
 def load_sharded(model, optimizer, directory, *, alone: bool) -> None:
@@ -306,7 +310,10 @@ def load_sharded(model, optimizer, directory, *, alone: bool) -> None:
     msd, osd = get_state_dict(model, optimizer)   # (creates the optimizer state to load into)
     with warnings.catch_warnings():   # `alone` is meant: not DCP's "assuming a single process" warning
         warnings.filterwarnings("ignore", message=".*assuming the intent is to load in a single process")
-        dcp.load({"model": msd, "optim": osd}, checkpoint_id=str(directory), no_dist=alone)
+        try:
+            dcp.load({"model": msd, "optim": osd}, storage_reader=shards.reader(str(directory)), no_dist=alone)
+        except dcp.api.CheckpointException as err:   # a BaseException: would pass every handler of the run
+            raise shards.failure(err, f"read from {directory}") from None
     set_state_dict(model, optimizer, model_state_dict=msd, optim_state_dict=osd)
     _set_kernel_flags(optimizer, own)
 
@@ -343,11 +350,28 @@ def _set_kernel_flags(optimizer, flags: list[dict]) -> None:
 class Channel:
     """Rank 0 → every other rank: pickled commands over the default group (broadcast_object_list). In a run
     the leader sends ("start", trainer state), then ("step", batch) per step, ("gather", _) / ("checkpoint",
-    folder) for FSDP2's weights and shards, and ("stop", exit code)."""
+    folder) for FSDP2's weights and shards, and ("stop", exit code); it calls `close()` when it has done its
+    part of a step / gather / checkpoint (`open` names the command until then)."""
+
+    def __init__(self) -> None:
+        self.open: str | None = None   # (leader) the command whose collectives every rank is in now
+        self.deferred: Any = None      # (leader) a call postponed until they end (a SIGTERM: launch.ranks)
 
     def send(self, message: Any) -> None:
         if dist.get_world_size() > 1:
+            self.open = message[0]   # (the broadcast itself is two collectives)
             dist.broadcast_object_list([message], src=0)
+            if message[0] in ("start", "stop"):   # no collective follows them
+                self.close()
+
+    def close(self) -> None:
+        """The leader finished the collectives of the command it sent last: run what was postponed meanwhile.
+        A leader that left them midway (an exception) would leave the others waiting inside them, where no
+        later message can reach them."""
+        self.open = None
+        if self.deferred is not None:
+            deferred, self.deferred = self.deferred, None
+            deferred()
 
     def recv(self) -> Any:
         box = [None]

@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from covrl.train.faults import fault_point
+from covrl.train.parallel import shards
 from covrl.train.parallel.wrappers import DCP_KEY
 
 COMPLETE = "COMPLETE"
@@ -169,6 +170,16 @@ def list_checkpoints(run_dir: Path) -> list[Path]:
     return sorted(found, key=lambda p: int(p.name[len(PREFIX):]))
 
 
+def incomplete_checkpoints(run_dir: Path) -> list[Path]:
+    """`ckpt-*` folders without COMPLETE or trainer_state.pt. A write never leaves one (the folder is renamed into
+    place after its marker): a file was deleted later. Never listed; resume sets them aside with a warning."""
+    root = Path(run_dir) / "checkpoints"
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and p.name.startswith(PREFIX) and not is_complete(p)]
+    return sorted(found, key=lambda p: p.name)
+
+
 def latest_checkpoint(run_dir: Path) -> Path | None:
     ckpts = list_checkpoints(run_dir)
     return ckpts[-1] if ckpts else None
@@ -255,8 +266,11 @@ def load_state(path: Path) -> dict[str, Any]:
                               f"({first[:200]}); it is not unpickled") from None
     optimizer = state.get("trainer", {}).get("optimizer") if isinstance(state, dict) else None
     if isinstance(optimizer, dict) and DCP_KEY in optimizer:   # the shards' folder, wherever the run now lives
-        if not (path / optimizer[DCP_KEY] / ".metadata").is_file():
-            raise CheckpointError(f"{path}: the sharded state {optimizer[DCP_KEY]}/ is missing or incomplete")
+        try:
+            shards.check(path / optimizer[DCP_KEY])
+        except ValueError as err:   # missing, truncated or overwritten: met here, while an older one can be used
+            raise CheckpointError(f"{path}: the sharded state {optimizer[DCP_KEY]}/ is missing or damaged "
+                                  f"({err})") from None
         optimizer[DCP_KEY] = str(path / optimizer[DCP_KEY])
     return state
 

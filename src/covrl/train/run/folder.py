@@ -384,9 +384,10 @@ def _find_resume_point(run_dir: Path, model, resume: bool) -> tuple[Path | None,
     if not resume:
         return None, None, None, []
     if not ckpt.list_checkpoints(run_dir):
+        incomplete = _set_aside_incomplete(run_dir, "none is complete")
         print(f"warning: --resume: {run_dir}/checkpoints holds no complete checkpoint (killed before the first "
               f"one?); starting the run from scratch in {run_dir}", file=sys.stderr)
-        return None, None, None, []
+        return None, None, None, incomplete
     latest, loaded, skipped = ckpt.newest_loadable(run_dir, lambda p: _read_resume_point(p, model))
     if latest is None:
         raise ckpt.CheckpointError(f"--resume: no checkpoint in {run_dir}/checkpoints loads (nothing was "
@@ -396,7 +397,20 @@ def _find_resume_point(run_dir: Path, model, resume: bool) -> tuple[Path | None,
         print(f"warning: --resume: skipped {p} ({why}); renamed it {moved.name}; resuming from the older "
               f"{latest.name}", file=sys.stderr)
     state, weights = loaded
-    return latest, state, weights, skipped
+    return latest, state, weights, skipped + _set_aside_incomplete(run_dir, f"resuming from {latest.name}")
+
+
+def _set_aside_incomplete(run_dir: Path, then: str) -> list[tuple[Path, str]]:
+    """Rename `ckpt-*` folders that lost their COMPLETE marker or trainer_state.pt `corrupt-*`, with a warning (a
+    resumed run would otherwise write over one of them, or keep it past pruning)."""
+    out = []
+    for p in ckpt.incomplete_checkpoints(run_dir):
+        why = f"no {ckpt.COMPLETE} marker" if not (p / ckpt.COMPLETE).is_file() else f"no {ckpt.STATE_FILE}"
+        moved = ckpt.set_aside(p)
+        print(f"warning: --resume: skipped {p} ({why}: not a complete checkpoint); renamed it {moved.name}; {then}",
+              file=sys.stderr)
+        out.append((p, why))
+    return out
 
 
 def _recorded_initial_weights(run_dir: Path) -> dict[str, Any] | None:

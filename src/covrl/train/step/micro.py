@@ -161,23 +161,31 @@ class MicroNorms:
         self.sizes: list[float] = []
         self._before: list[torch.Tensor | None] | None = None
         self._index = {id(p): i for i, p in enumerate(params)}
-        self._hooked_sq = 0.0
+        self._hooked_sq: dict[int, float] = {}   # parameter index -> squared norm, from DDP's buckets
 
     def before_backward(self) -> None:
         if self.norms_sq:  # the first micro-batch starts from zero gradients: no snapshot needed
             self._before = [None if p.grad is None else p.grad.detach().clone() for p in self.params]
 
     @torch.no_grad()
-    def _contribution_sq(self, params, grads) -> float:
+    def _contribution_sq(self, params, grads) -> dict[int, float]:
+        """Parameter index -> squared norm of its contribution."""
         prev = [None if self._before is None else self._before[self._index[id(p)]] for p in params]
         if any(b is not None for b in prev):
             grads = [g if b is None else g - b for g, b in zip(grads, prev)]
-        # fused per-tensor norms (fp32 accumulation is ample for a noise estimate), summed in float64
-        return sum(float(n) ** 2 for n in torch._foreach_norm(grads)) if grads else 0.0
+        # fused per-tensor norms (fp32 accumulation is ample for a noise estimate)
+        norms = torch._foreach_norm(grads) if grads else []
+        return {self._index[id(p)]: float(n) ** 2 for p, n in zip(params, norms)}
+
+    @staticmethod
+    def _total(squares: dict[int, float]) -> float:
+        # summed in float64 in parameter order: the same bits whatever DDP's bucket layout (it is rebuilt after
+        # a process's first step, so a resumed run would otherwise differ in the last digits from a straight one)
+        return sum(squares[i] for i in sorted(squares))
 
     def from_bucket(self, bucket) -> None:
         """DDP's comm hook, before the all-reduce: this rank's accumulated gradient of a bucket's parameters."""
-        self._hooked_sq += self._contribution_sq(bucket.parameters(), bucket.gradients())
+        self._hooked_sq.update(self._contribution_sq(bucket.parameters(), bucket.gradients()))
 
     def rescale_gathered(self, parts: list[tuple[list[float], list[float]]], world: int) -> None:
         """Every rank's (norms, sizes), in rank order; the norms back in the loss's own scale (each rank
@@ -188,10 +196,10 @@ class MicroNorms:
     @torch.no_grad()
     def after_backward(self, response_mask: torch.Tensor, hooked: bool = False) -> None:
         if hooked:   # the synced backward: .grad holds the ranks' average now, the hook saw this rank's own
-            total, self._hooked_sq = self._hooked_sq, 0.0
+            total, self._hooked_sq = self._total(self._hooked_sq), {}
         else:
             params = [p for p in self.params if p.grad is not None]
-            total = self._contribution_sq(params, [p.grad for p in params])
+            total = self._total(self._contribution_sq(params, [p.grad for p in params]))
         self._before = None
         self.norms_sq.append(total)
         rows_with_tokens = (response_mask.sum(1) > 0).sum()

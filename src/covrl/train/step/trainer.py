@@ -56,6 +56,7 @@ from covrl.models.precision import check_autocast
 from covrl.rollout import truncation_rule
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.faults import fault_point
+from covrl.train.parallel.shards import ShardIOError
 from covrl.train.parallel.wrappers import (
     DCP_DIR,
     DCP_KEY,
@@ -235,8 +236,18 @@ class Trainer:
         if not isinstance(batch, ScoredBatch):
             raise ValueError("Trainer.step needs a ScoredBatch (batch.rewards is None): score the rollouts "
                              "(task.score) before Trainer.step")
-        if self.leader is not None:
-            self.leader.send(("step", batch))
+        if self.leader is None:
+            return self._step(batch)
+        self.leader.send(("step", batch))
+        try:
+            result = self._step(batch)
+        except TrainingDivergedError:   # every rank met the same skipped steps: the step's collectives are over
+            self.leader.close()
+            raise
+        self.leader.close()   # (a SIGTERM that came during the step is raised here: covrl.train.launch.ranks)
+        return result
+
+    def _step(self, batch: ScoredBatch) -> StepResult:
         if self.cfg.trainer.parallel != "none" and self.parallel is None:
             self._distribute()
         t_start = time.perf_counter()
@@ -705,9 +716,12 @@ class Trainer:
     def full_weights(self) -> dict[str, torch.Tensor]:
         """fsdp2: the full weights gathered from the shards onto rank 0's CPU (the others get {}), for the sampler.
         A collective: rank 0 (the leader) tells the others to join."""
-        if self.leader is not None:
-            self.leader.send(("gather", None))
-        return full_model_state(self.model)
+        if self.leader is None:
+            return full_model_state(self.model)
+        self.leader.send(("gather", None))
+        weights = full_model_state(self.model)
+        self.leader.close()
+        return weights
 
     def save_sharded(self, folder) -> dict[str, torch.Tensor]:
         """fsdp2: write this rank's shards of weights and optimizer state into `folder`/dcp and return the full
@@ -715,7 +729,14 @@ class Trainer:
         if self.leader is not None:
             self.leader.send(("checkpoint", str(folder)))
         weights = full_model_state(self.model)
-        save_sharded(self.model, self.optimizer, Path(folder) / DCP_DIR)
+        try:
+            save_sharded(self.model, self.optimizer, Path(folder) / DCP_DIR)
+        except ShardIOError:   # raised on every rank alike (DCP gathers the failures): the collectives are over
+            if self.leader is not None:
+                self.leader.close()
+            raise
+        if self.leader is not None:
+            self.leader.close()
         return weights
 
     # --------------------------------------------------------------------------------------------- state
