@@ -4,6 +4,8 @@ subprocess) and readers for its run folder."""
 from __future__ import annotations
 
 import json
+import subprocess
+import time
 from pathlib import Path
 
 from covrl.config import preset_path
@@ -11,6 +13,21 @@ from covrl.config import preset_path
 REPO = Path(__file__).resolve().parents[2]
 TINY = preset_path("tiny")
 REWARDS = Path(__file__).resolve().parent / "_hostile_rewards.py"
+
+
+def popen_logged(args: list[str], env: dict, out: Path, name: str, resume: bool = False) -> subprocess.Popen:
+    """Start `args` (+ --resume) in the checkout with its output in files under `out`, not pipes: a process
+    nobody reads from yet must never block on a full pipe. `logs(proc)` reads them."""
+    logs = Path(out) / f".{name}-{time.perf_counter_ns()}"
+    proc = subprocess.Popen(args + (["--resume"] if resume else []), env=env, cwd=str(REPO),
+                            stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"))
+    proc.logs = logs
+    return proc
+
+
+def logs(proc: subprocess.Popen) -> tuple[str, str]:
+    """(stdout, stderr) of a process started by `popen_logged`."""
+    return Path(f"{proc.logs}.out").read_text(), Path(f"{proc.logs}.err").read_text()
 
 
 def tiny_overrides(out: Path, name: str, *extra: str, steps: int = 4, every: int = 16) -> list[str]:

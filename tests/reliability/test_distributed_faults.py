@@ -38,7 +38,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _reliability_tiny import REPO, TINY, comparable, final_weights, metrics, tiny_overrides
+from _reliability_tiny import (
+    TINY,
+    comparable,
+    final_weights,
+    logs,
+    metrics,
+    popen_logged,
+    tiny_overrides,
+)
 
 from covrl.train import faults
 from covrl.train.parallel.wrappers import DCP_DIR
@@ -83,16 +91,12 @@ def launch(out: Path, name: str, kind: str, *, fault: str | None = None, fault_r
             "-m", "covrl", "train", "--config", str(TINY),
             *tiny_overrides(out, name, f"trainer.parallel={mode}", "trainer.timeout_s=60", "checkpoint.keep_last=6",
                             *extra, steps=STEPS, every=ROWS)]
-    logs = out / f".{name}-{time.perf_counter_ns()}"
-    proc = subprocess.Popen(args + (["--resume"] if resume else []), env=env, cwd=str(REPO),
-                            stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"))
-    proc.logs = logs
-    return proc
+    return popen_logged(args, env, out, name, resume)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
     proc.wait(timeout=timeout)
-    return proc.returncode, Path(f"{proc.logs}.out").read_text(), Path(f"{proc.logs}.err").read_text()
+    return proc.returncode, *logs(proc)
 
 
 def rank_pids(launcher: int) -> dict[int, int]:

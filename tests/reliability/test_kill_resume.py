@@ -20,7 +20,15 @@ from pathlib import Path
 
 import pytest
 import torch
-from _reliability_tiny import REPO, TINY, comparable, final_weights, metrics, tiny_overrides
+from _reliability_tiny import (
+    TINY,
+    comparable,
+    final_weights,
+    logs,
+    metrics,
+    popen_logged,
+    tiny_overrides,
+)
 
 from covrl.train import faults
 from covrl.train.run import checkpoint as ckpt
@@ -74,17 +82,12 @@ def start(out: Path, name: str, *extra: str, fault: str | None = None, trace: Pa
     if trace:
         env[faults.TRACE_ENV] = str(trace)
     args = [sys.executable, "-m", "covrl", "train", "--config", str(TINY), *tiny_overrides(out, name, *extra)]
-    # output goes to files, not pipes: a process nobody reads from yet must never block on a full pipe
-    logs = out / f".{name}-{time.perf_counter_ns()}"
-    proc = subprocess.Popen(args + (["--resume"] if resume else []), env=env, cwd=str(REPO),
-                            stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"))
-    proc.logs = logs
-    return proc
+    return popen_logged(args, env, out, name, resume)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]:
     proc.wait(timeout=timeout)
-    return proc.returncode, Path(f"{proc.logs}.out").read_text(), Path(f"{proc.logs}.err").read_text()
+    return proc.returncode, *logs(proc)
 
 
 def test_killed_twice_then_resumed_equals_the_uninterrupted_run(tmp_path):

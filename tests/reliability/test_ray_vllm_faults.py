@@ -39,7 +39,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _reliability_tiny import REPO, TINY, final_weights, metrics, tiny_overrides
+from _reliability_tiny import TINY, final_weights, logs, metrics, popen_logged, tiny_overrides
 
 from covrl.config import load_config
 from covrl.rollout.vllm import vllm_available
@@ -291,11 +291,7 @@ def start_covrl(out: Path, name: str, layout: str, temp: Path, resume: bool = Fa
     args = [sys.executable, "-m", "covrl", "train", "--config", str(TINY), *overrides]
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false",
            "RAY_AUTH_MODE": "disabled"}
-    logs = out / f".{name}-{time.perf_counter_ns()}"
-    proc = subprocess.Popen(args + (["--resume"] if resume else []), env=env, cwd=str(REPO),
-                            stdout=open(f"{logs}.out", "w"), stderr=open(f"{logs}.err", "w"))
-    proc.logs = logs
-    return proc
+    return popen_logged(args, env, out, name, resume)
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int | None, str, str]:
@@ -309,7 +305,7 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int | None, st
         proc.kill()
         proc.wait()
         rc = None
-    return rc, Path(f"{proc.logs}.out").read_text(), Path(f"{proc.logs}.err").read_text()
+    return rc, *logs(proc)
 
 
 def wait_for(proc: subprocess.Popen, run_dir: Path, what: str, n: int = 1, timeout: float = 300) -> float:
@@ -721,9 +717,11 @@ def test_a_lost_trainer_actor_ends_covrl_train_with_exit_6_and_a_final_summary(t
         return "ref"
 
     def get(ref):
+        if ref == "place":   # where the actor runs, asked before it trains
+            return "node", 1
         raise ray.exceptions.ActorUnavailableError("RpcError: RPC error: Socket closed", b"\0" * 16)
 
-    actor = SimpleNamespace(train=SimpleNamespace(remote=train_remote))
+    actor = SimpleNamespace(train=SimpleNamespace(remote=train_remote), process=SimpleNamespace(remote=lambda: "place"))
     actor_cls = SimpleNamespace(options=lambda **kw: SimpleNamespace(remote=lambda *args: actor))
     fake = SimpleNamespace(exceptions=ray.exceptions, cluster_resources=lambda: {"CPU": 2.0},
                            remote=lambda cls: actor_cls, get=get)

@@ -117,7 +117,7 @@ def _setups(rank: int, world: int, opts: dict) -> dict:
             for _ in range(opts["steps"]):
                 dist.barrier()
                 t0 = time.perf_counter()
-                Channel().send(batch) if rank == 0 else Channel().recv()
+                Channel().send(("step", batch)) if rank == 0 else Channel().recv()
                 times.append(time.perf_counter() - t0)
             results["batch_broadcast_s"] = statistics.median(times)
         del trainer, model

@@ -263,12 +263,13 @@ def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int
         if acfg.trainer_actor:
             actor = ray.remote(TrainerActor).options(num_cpus=acfg.trainer_cpus, num_gpus=acfg.trainer_gpus).remote(
                 cfg.model_dump(mode="json"), None if config_path is None else str(config_path), resume)
-            place = ray.get(actor.process.remote())
-            call = actor.train.remote()
+            call = None
             try:
+                place = ray.get(actor.process.remote())
+                call = actor.train.remote()
                 return ray.get(call)
             except KeyboardInterrupt as err:
-                if not is_sigterm(err):
+                if call is None or not is_sigterm(err):
                     raise
                 return _pass_sigterm(ray, [call], [place], run_dir)
             except ray.exceptions.RayActorError as err:   # its process, its node or the whole cluster is gone
