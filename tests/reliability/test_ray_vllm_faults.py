@@ -501,7 +501,7 @@ def _check_sigterm_run(r: dict) -> None:
 
 @pytest.mark.ray
 @pytest.mark.skipif(not (_has("ray") and _has("psutil")), reason="needs the ray extra and psutil")
-def test_sigterm_to_a_ray_driver_stops_the_trainer_actor_with_a_checkpoint(tmp_path):
+def test_sigterm_to_a_ray_driver_stops_the_trainer_actor_and_resume_completes(tmp_path):
     """`ray.init` replaces the driver's SIGTERM handler with `sys.exit(15)`: the driver then died with SIGABRT,
     its summary left "running". Now the driver keeps covrl's handler and passes the signal to the trainer
     actor's process, which stops as a local run does: exit 143, summary "interrupted"; `--resume` trains
@@ -512,7 +512,7 @@ def test_sigterm_to_a_ray_driver_stops_the_trainer_actor_with_a_checkpoint(tmp_p
 @pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.skipif(not (_has("ray") and _has("psutil")), reason="needs the ray extra and psutil")
-def test_sigterm_to_a_ray_driver_that_trains_itself_stops_with_a_checkpoint(tmp_path):
+def test_sigterm_to_a_ray_driver_that_trains_itself_stops_and_resume_completes(tmp_path):
     """The same with the trainer side in the driver (async_loop.trainer_actor=false)."""
     _check_sigterm_run(_sigterm_run(tmp_path, "driver"))
 
