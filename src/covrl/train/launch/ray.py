@@ -175,7 +175,7 @@ def resource_shortfall(cfg, resources: dict) -> str | None:
 
 
 def _mark_failed(run_dir: Path, reason: str) -> None:
-    """Finish the summary.json that a run which died without a word left "running" (a folder this machine sees)."""
+    """Finish the summary.json that a run which died without a word left "running" (when the run folder is on this node)."""
     try:
         running = json.loads((run_dir / "summary.json").read_text()).get("status") == "running"
     except (OSError, ValueError):
