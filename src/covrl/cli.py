@@ -4,7 +4,11 @@ exposing `configure(parser)` and `run(args) -> int`, so `covrl --help` stays fas
 A command's arguments are parsed intermixed: flags and positional `section.key=value` overrides in any order
 (`covrl train --config C --name x a=b --no-progress c=d`), as people copy them into torchrun lines. A command
 module that forwards the rest of its line to another parser (`covrl bench NAME ...`) sets
-`FORWARDS_ARGUMENTS = True` and is parsed in order."""
+`FORWARDS_ARGUMENTS = True` and is parsed in order.
+
+Bad input (a config, a file, a name, an address) is one message and exit code 2; `covrl --debug COMMAND ...` (or
+COVRL_DEBUG=1) shows those errors with their traceback instead (covrl.settings.debug). Unexpected errors always
+keep their traceback (exit code 1)."""
 
 from __future__ import annotations
 
@@ -32,6 +36,8 @@ def build_parser() -> argparse.ArgumentParser:
         prog="covrl", description="covrl: reinforcement learning for language models, measured from the sampler."
     )
     parser.add_argument("--version", action="version", version=f"covrl {__version__}")
+    parser.add_argument("--debug", action="store_true",
+                        help="show the traceback of a bad-input error too (same as COVRL_DEBUG=1)")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for name, (_, help_text) in COMMANDS.items():
         sub.add_parser(name, help=help_text, description=help_text, add_help=False)
@@ -52,6 +58,11 @@ def command_parser(name: str):
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
+    while argv and argv[0] == "--debug":   # `covrl --debug COMMAND ...`
+        argv.pop(0)
+        from covrl.settings.debug import enable_debug  # only here: `covrl --help` imports no pydantic
+
+        enable_debug()
     if not argv or argv[0] not in COMMANDS:
         parser = build_parser()
         args = parser.parse_args(argv)   # --help, --version, or an unknown command: argparse says which

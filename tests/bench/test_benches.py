@@ -47,6 +47,7 @@ def test_trl_quick_runs_both_sides(tmp_path, cache_dir):
     assert res["ready"]["trl"]["prompt_roundtrip_ok"]  # TRL conditions on the very same prompt ids
 
 
+@pytest.mark.slow
 def test_trl_vllm_row_reports_why_a_side_did_not_run(tmp_path, cache_dir):
     """`--vllm` where vLLM is not installed (this venv): neither side can sample with it, and the bench writes
     its table with each side's reason instead of crashing (exit 1: no side ran). Where both vLLM and TRL are
@@ -125,6 +126,7 @@ def test_rollout_without_vllm_skips_that_side(tmp_path, cache_dir, monkeypatch):
     assert "vLLM side skipped: vllm is not importable" in (next(tmp_path.glob("rollout-tiny-quick/*.md"))).read_text()
 
 
+@pytest.mark.slow
 def test_distributed_quick_times_every_setup(tmp_path, cache_dir):
     res = run_bench("distributed", tmp_path, cache_dir)
     assert [r["setup"] for r in res["setups"]] == ["1x1", "2x1 ddp", "2x1 ddp-no-sync", "2x1 fsdp2"]

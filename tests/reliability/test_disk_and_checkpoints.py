@@ -264,6 +264,8 @@ def test_resume_falls_back_past_a_corrupt_newest_checkpoint(tmp_path, capsys):
     for k, (what, (rel, why)) in enumerate(damaged.items(), start=1):
         f = run_dir / "checkpoints" / newest / rel
         f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])   # truncated, as by a full disk
+        # as a kill right after the last checkpoint leaves the run (a completed run is complete: not resumed)
+        (run_dir / "summary.json").write_text(json.dumps({**_summary(run_dir), "status": "running"}))
         capsys.readouterr()
         assert _cli(tmp_path, "fb", "loop.steps=3", resume=True) == 0, what
         out, err = capsys.readouterr()

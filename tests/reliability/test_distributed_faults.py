@@ -528,6 +528,7 @@ def test_micro_batch_norms_do_not_depend_on_the_ddp_bucket_layout():
     assert totals[0] == totals[1] == totals[2], totals
 
 
+@pytest.mark.slow
 @needs_torchrun
 def test_damaged_newest_checkpoints_of_a_sharded_run_fall_back(tmp_path, refs):
     """(a) once: a 2-rank fsdp2 run killed after step 4 whose newest checkpoint lost half a rank's shard file and
@@ -541,6 +542,7 @@ def test_damaged_newest_checkpoints_of_a_sharded_run_fall_back(tmp_path, refs):
     assert row["ok"], json.dumps(row, indent=1)
 
 
+@pytest.mark.slow
 @needs_torchrun
 def test_disk_full_in_a_rank_s_shards_exits_4_and_resume_completes(tmp_path, refs):
     """(b) once: rank 1's torch.distributed.checkpoint write of checkpoint 3 meets a full disk. Before the fix,
@@ -551,6 +553,7 @@ def test_disk_full_in_a_rank_s_shards_exits_4_and_resume_completes(tmp_path, ref
     assert row["steps_redone"] == 1, row   # step 3: trained, its checkpoint failed
 
 
+@pytest.mark.slow
 @needs_torchrun
 def test_sigterm_to_the_launcher_then_resume_completes(tmp_path, refs):
     """(c) once: SIGTERM to torchrun of an fsdp2 run right after its first checkpoint."""
@@ -559,6 +562,7 @@ def test_sigterm_to_the_launcher_then_resume_completes(tmp_path, refs):
     assert row["ok"], json.dumps(row, indent=1)
 
 
+@pytest.mark.slow
 @needs_torchrun
 def test_sigterm_to_rank_0_inside_a_step_ends_every_rank_promptly(tmp_path, refs):
     """(c) at an exact spot: rank 0 of an fsdp2 run gets SIGTERM at its 3rd backward pass, while rank 1 is inside
@@ -582,6 +586,7 @@ def test_sigterm_to_rank_0_inside_a_step_ends_every_rank_promptly(tmp_path, refs
     assert equal_to_reference(a), a
 
 
+@pytest.mark.slow
 @needs_torchrun
 def test_a_killed_trainer_rank_under_the_async_loop_stops_the_run_and_resume_loses_nothing(tmp_path, refs):
     """(d) once: rank 1 of an async fsdp2 run SIGKILLs itself at its 3rd backward pass: exit 6 recorded by rank

@@ -90,6 +90,7 @@ def finish(proc: subprocess.Popen, timeout: float = 600) -> tuple[int, str, str]
     return proc.returncode, *logs(proc)
 
 
+@pytest.mark.slow
 def test_killed_twice_then_resumed_equals_the_uninterrupted_run(tmp_path):
     # the reference and the first victim start together (2 cores; halves the wall time)
     ref = start(tmp_path, "ref")

@@ -499,6 +499,7 @@ def _check_sigterm_run(r: dict) -> None:
     assert a["rollouts_lost"] == 0 and a["rollouts_twice"] == 0 and a["clock_monotone"], a
 
 
+@pytest.mark.slow
 @pytest.mark.ray
 @pytest.mark.skipif(not (_has("ray") and _has("psutil")), reason="needs the ray extra and psutil")
 def test_sigterm_to_a_ray_driver_stops_the_trainer_actor_and_resume_completes(tmp_path):
@@ -726,7 +727,7 @@ def test_a_lost_trainer_actor_ends_covrl_train_with_exit_6_and_a_final_summary(t
     fake = SimpleNamespace(exceptions=ray.exceptions, cluster_resources=lambda: {"CPU": 2.0},
                            remote=lambda cls: actor_cls, get=get)
     monkeypatch.setattr(launch_ray, "ray_module", lambda: fake)
-    monkeypatch.setattr(launch_ray, "ensure_ray", lambda acfg: False)
+    monkeypatch.setattr(launch_ray, "ensure_ray", lambda acfg, engine_logs="quiet": False)
     assert launch_ray.train_from_config_ray(cfg) == 6
     err = capsys.readouterr().err
     assert "the Ray trainer actor died (ActorUnavailableError" in err

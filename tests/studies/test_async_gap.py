@@ -9,6 +9,7 @@ import json
 import random
 import statistics
 
+import pytest
 import torch
 from studies.async_gap import async_gap
 from studies.common import write_result
@@ -16,6 +17,7 @@ from studies.common import write_result
 from studies import stats
 
 
+@pytest.mark.slow
 def test_async_gap_fast(tmp_path):
     torch.set_num_threads(1)
     result = async_gap.run(tmp_path, fast=True, seed=0)

@@ -7,11 +7,13 @@ from __future__ import annotations
 import json
 import math
 
+import pytest
 import torch
 from studies.async_gap import async_momentum
 from studies.common import write_result
 
 
+@pytest.mark.slow
 def test_async_momentum_fast_machinery(tmp_path):
     torch.set_num_threads(1)
     result = async_momentum.run(tmp_path, fast=True, seed=0)

@@ -3,6 +3,7 @@ registered changes: a test that fails if a later edit moves anything else."""
 
 from dataclasses import asdict
 
+import pytest
 from studies.lr_surge import lr_surge_long, lr_surge_long_d
 from studies.otb import otb_long, otb_long_d
 
@@ -31,6 +32,7 @@ def test_design_c_keeps_its_registered_rule_1():
     assert otb_long.FULL.regime_min_collapsed is None
 
 
+@pytest.mark.slow
 def test_run_uses_the_settings_it_is_given(tmp_path):
     """`run(full=...)` must run those settings, not FULL: a design D run once silently ran design C's."""
     from dataclasses import replace

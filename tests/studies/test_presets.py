@@ -110,6 +110,7 @@ def old_async_bench_config(args, mode, run_root):
         "logging.curves": False, "logging.diagnostics": True,
         "async_loop.max_staleness_steps": args.staleness, "async_loop.trainer_actor": False,
         "async_loop.sampler_cpus": 1, "async_loop.sampler_threads": args.threads,
+        "task.n_eval": 50,   # task.n_eval's default then (now None: a generated task still holds out 50)
     }
     if args.chunk_prompts:
         over["async_loop.chunk_prompts"] = args.chunk_prompts

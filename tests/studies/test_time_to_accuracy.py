@@ -13,6 +13,7 @@ pytest.importorskip("trl")
 from studies.time_to_accuracy import time_to_accuracy  # noqa: E402
 
 
+@pytest.mark.slow
 def test_time_to_accuracy_quick_evaluates_both_sides(tmp_path):
     parser = argparse.ArgumentParser()
     time_to_accuracy.configure(parser)

@@ -96,8 +96,8 @@ def test_user_reward_from_file_and_module(user_file, monkeypatch):
 
 @pytest.mark.parametrize("spec,match", [
     ("no_colon", "expected"), ("missing_file.py:f", "does not exist"),
-    ("covrl_no_such_module_xyz:f", "cannot import"), ("{file}:not_callable", "no callable"),
-    ("{file}:absent", "no callable"),
+    ("covrl_no_such_module_xyz:f", "no module named 'covrl_no_such_module_xyz'"), ("{file}:not_callable", "no callable"),
+    ("{file}:absent", "defines no function 'absent'; it defines: "),
 ])
 def test_user_reward_spec_errors(user_file, spec, match):
     with pytest.raises((ValueError, FileNotFoundError, ImportError, AttributeError), match=match):

@@ -97,6 +97,7 @@ def test_torchrun_run_resumes_on_one_process(tmp_path, straight, mode):
     assert weight_diff <= 5e-6 and moment_diff <= 1e-6, (weight_diff, moment_diff)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
 def test_killed_rank_stops_the_run_and_resume_loses_nothing(tmp_path, straight):
     """Rank 1 SIGKILLs itself mid-step 3 (in its backward; COVRL_FAULT_RANK=1), after the checkpoint of step 2:
@@ -130,6 +131,7 @@ def test_killed_rank_stops_the_run_and_resume_loses_nothing(tmp_path, straight):
     assert weight_diff <= 5e-6 and moment_diff <= 1e-6, (weight_diff, moment_diff)
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
 def test_a_native_abort_in_a_rank_prints_its_python_stack(tmp_path):
     """A rank that dies of SIGABRT (as a C++ std::terminate in torch or gloo does: one line, "terminate called
@@ -142,6 +144,7 @@ def test_a_native_abort_in_a_rank_prints_its_python_stack(tmp_path):
     assert 'trainer.py", line' in run.stderr and "in step" in run.stderr, run.stderr[-3000:]   # where it died
 
 
+@pytest.mark.slow
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_torchrun_async_loop_equals_sync_and_resumes(tmp_path, straight, mode):

@@ -28,7 +28,7 @@ def finite_numbers(record):
 
 def test_tiny_run_writes_the_run_folder(tmp_path):
     cfg = tiny_cfg(tmp_path, **{"run.name": "e2e", "logging.curves": True, "checkpoint.every_rollouts": 32,
-                                "run.save_initial": True})
+                                "checkpoint.keep_last": 2, "run.save_initial": True})
     run = prepare_run(cfg, console=False)
     summary = train_sync(run)
     run.close()

@@ -73,6 +73,7 @@ def test_ray_backend_smoke(tmp_path, local_ray):
     assert summary1["async"]["floor_kl_seq"] is not None and summary1["async"]["floor_kl_seq"] < 1e-6
 
 
+@pytest.mark.slow
 def test_covrl_train_in_ray_mode_goes_through_the_common_exit_table(tmp_path, local_ray):
     """`covrl train` with loop.mode=ray: with the trainer side in a Ray actor the run completes (exit 0, final
     summary); a reward error met mid-run ends with exit 2 and a 'failed' summary, as in the local loops."""

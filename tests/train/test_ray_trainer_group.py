@@ -73,6 +73,7 @@ def _group_then_resume(tmp_path, straight, resume: dict, mode: str = "ddp") -> N
     assert weight_diff <= 5e-6 and moment_diff <= 1e-6, (weight_diff, moment_diff)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("mode", ["ddp", "fsdp2"])
 def test_ray_trainer_group_equals_one_process(tmp_path, straight, mode):
     """2 steps on the group, then --resume on one process (2 -> 1) to step 3: the local async loop, which

@@ -27,12 +27,16 @@ Calls return futures that are already done (`.result()`, `await .result_async()`
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import sys
 import tempfile
 import types as _pytypes
-from collections.abc import Callable, Mapping, Sequence
+import uuid
+import weakref
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
@@ -41,9 +45,9 @@ import numpy as np
 import torch
 
 from covrl.api import types as api_types
+from covrl.api.client import SNAPSHOT_DIR, resolve_config
 from covrl.api.client import SamplingClient as _ApiSamplingClient
 from covrl.api.client import TrainingClient as _ApiTrainingClient
-from covrl.api.client import resolve_config
 from covrl.api.losses import API_LOSSES
 from covrl.api.types import StaleSamplingClientError, TrainBatch
 from covrl.models import LoraConfig
@@ -54,6 +58,7 @@ _TINKER_NAMES = {"cispo": "tinker_cispo", "gspo": "tinker_gspo"}
 _KEY_DTYPE = {"target_tokens": "int64"}
 _ATTN, _MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
 CLIENT_FILE = "tinker_client.json"   # in each training client's folder: how to build it again from a state
+HELD_LOADED = 2   # full fine-tunes: weights of sampling clients read back from disk and kept loaded (LRU)
 
 
 # ------------------------------------------------------------------------------------------------ types
@@ -100,6 +105,10 @@ StopReason = Literal["length", "stop"]
 
 class TinkerError(Exception):
     """Tinker's base error class (the SDK raises its subclasses; recipes catch it)."""
+
+
+class CheckpointExistsError(TinkerError, ValueError):
+    """A save under a name that already holds a checkpoint, without `overwrite=True` (the SDK's 409 Conflict)."""
 
 
 @dataclass(frozen=True)
@@ -390,16 +399,52 @@ def _adam(params) -> AdamParams:
     return AdamParams(**{f: getattr(params, f) for f in fields if hasattr(params, f)})
 
 
-def _sampling(params) -> api_types.SamplingParams:
+@dataclass(frozen=True)
+class _Sampling:
+    """Tinker's SamplingParams in covrl.api's terms: `greedy` for temperature 0 (argmax; the log-probs then
+    are the model's at temperature 1, untruncated), `no_stop` for `stop=[]` (no stop at all, EOS included:
+    every sample runs to max_tokens)."""
+    params: api_types.SamplingParams
+    greedy: bool = False
+    no_stop: bool = False
+
+
+def _sampling(params) -> _Sampling:
     if params is None:
-        return api_types.SamplingParams()
+        return _Sampling(api_types.SamplingParams())
     get = lambda name: getattr(params, name, None)  # noqa: E731 - also reads the SDK's own SamplingParams
     stop = get("stop")
+    no_stop = stop is not None and not isinstance(stop, (str, int)) and len(stop) == 0
     if isinstance(stop, (str, int)):
         stop = [stop]
-    return api_types.SamplingParams(max_tokens=get("max_tokens"), temperature=get("temperature"),
-                                    top_k=get("top_k"), top_p=get("top_p"), seed=get("seed"),
-                                    stop=list(stop) if stop else None)
+    temperature = get("temperature")
+    if temperature is not None and (isinstance(temperature, bool) or not temperature >= 0):
+        raise ValueError(f"sampling_params.temperature: must be >= 0 (0 = greedy decoding), got {temperature!r}")
+    greedy = temperature is not None and temperature == 0
+    if greedy:   # argmax; log-probs of the full softmax at temperature 1 (no top-k / top-p renormalisation)
+        return _Sampling(api_types.SamplingParams(max_tokens=get("max_tokens"), temperature=1.0, top_k=0,
+                                                  top_p=1.0, seed=get("seed"), stop=list(stop) if stop else None),
+                         greedy=True, no_stop=no_stop)
+    return _Sampling(api_types.SamplingParams(max_tokens=get("max_tokens"), temperature=temperature,
+                                              top_k=get("top_k"), top_p=get("top_p"), seed=get("seed"),
+                                              stop=list(stop) if stop else None), no_stop=no_stop)
+
+
+@contextlib.contextmanager
+def _sampler_for(sampler, sampling: _Sampling) -> Iterator[None]:
+    """The sampler as one call's `sampling` needs it, restored after: no EOS stop for `stop=[]`, no min-p
+    truncation for greedy decoding (whose log-probs are the full softmax's)."""
+    eos, cfg = getattr(sampler, "eos_ids", None), sampler.cfg
+    try:
+        if sampling.no_stop and eos is not None:
+            sampler.eos_ids = []
+        if sampling.greedy and getattr(cfg, "min_p", 0.0):
+            sampler.cfg = cfg.model_copy(update={"min_p": 0.0})
+        yield
+    finally:
+        sampler.cfg = cfg
+        if eos is not None:
+            sampler.eos_ids = eos
 
 
 def _async(name: str):
@@ -413,11 +458,100 @@ def _async(name: str):
 # ------------------------------------------------------------------------------------------------ clients
 
 class TrainingClient:
-    """Tinker's TrainingClient over a covrl.api.TrainingClient (`.api`)."""
+    """Tinker's TrainingClient over a covrl.api.TrainingClient (`.api`).
+
+    Its sampling clients keep the weights they were created with for their whole life (the SDK's "snapshot"),
+    also after later optim_step / load_state calls: nothing is copied while those are still the current
+    weights; just before the weights change, the ones a live sampling client holds are frozen (LoRA: the
+    adapters copied to CPU memory; a full fine-tune: the weights written under `<state folder>/sampler/held/`
+    and read back on demand, `HELD_LOADED` of them kept loaded), and freed with the last client holding them.
+    """
 
     def __init__(self, api: _ApiTrainingClient, base_model: str):
         self.api = api
         self.base_model = base_model
+        self._current = _HeldWeights(api.version)   # the model's own weights, as sampling clients see them
+        self._inflight: weakref.ref | None = None   # the shared target of the inflight sampling clients
+        self._loaded: OrderedDict[str, list[torch.Tensor]] = OrderedDict()   # full fine-tunes: read back
+
+    # -------------------------------------------------------------------- the weights sampling clients hold
+
+    @property
+    def _lora(self) -> bool:
+        return hasattr(self.api.model, "peft_config")
+
+    @contextlib.contextmanager
+    def _changing_weights(self) -> Iterator[None]:
+        """Around a call that changes the weights: the current ones are frozen first if a sampling client
+        holds them; after it, sampling clients made from now on hold the new ones."""
+        held = self._current
+        if len(held.holders) and held.frozen is None and held.path is None:
+            if self._lora:     # adapters: a few MB; kept in memory
+                held.frozen = [p.detach().to("cpu", copy=True) for p in self.api.params]
+            else:              # a whole model: on disk, read back when a client samples (LRU of HELD_LOADED)
+                from safetensors.torch import save_file
+
+                folder = self.api.state_dir / SNAPSHOT_DIR / "held"
+                folder.mkdir(parents=True, exist_ok=True)
+                path = folder / f"v{held.version:06d}-{uuid.uuid4().hex[:8]}.safetensors"
+                save_file({str(i): p.detach().contiguous().cpu() for i, p in enumerate(self.api.params)}, str(path))
+                held.path = path
+                weakref.finalize(held, path.unlink, missing_ok=True)   # freed with the last client
+        try:
+            yield
+        finally:
+            self._current = _HeldWeights(self.api.version)
+
+    def _held_values(self, held: _HeldWeights) -> list[torch.Tensor]:
+        if held.frozen is not None:
+            return held.frozen
+        key = str(held.path)
+        if key not in self._loaded:
+            from safetensors.torch import load_file
+
+            state = load_file(key)
+            self._loaded[key] = [state[str(i)] for i in range(len(state))]
+            while len(self._loaded) > HELD_LOADED:
+                self._loaded.popitem(last=False)
+        self._loaded.move_to_end(key)
+        return self._loaded[key]
+
+    def _holding(self, held: _HeldWeights) -> contextlib.AbstractContextManager:
+        """The model and its sampler hold `held`'s weights for the duration (the current weights: as they are;
+        older ones: swapped in, and the trainable parameters restored bit for bit after)."""
+        api = self.api
+        if held is self._current:
+            if held.version != api.version:   # covrl.api's optim_step called past this facade
+                raise StaleSamplingClientError(
+                    f"this sampling client holds weights version {held.version}, but the training client's "
+                    f"weights were changed to version {api.version} past the Tinker facade")
+            if api.sampler.version != api.version:   # a sampler with its own copy: push the current weights
+                api.sampler.load_weights(api.model, api.version)
+            return contextlib.nullcontext()
+        return self._swapped(held)
+
+    @contextlib.contextmanager
+    def _swapped(self, held: _HeldWeights) -> Iterator[None]:
+        api, values = self.api, self._held_values(held)
+        current = [p.detach().clone() for p in api.params]
+        try:
+            with torch.no_grad():
+                for p, v in zip(api.params, values):
+                    p.copy_(v)
+            api.sampler.load_weights(api.model, held.version)
+            yield
+        finally:
+            with torch.no_grad():
+                for p, saved in zip(api.params, current):
+                    p.copy_(saved)
+            api.sampler.load_weights(api.model, api.version)
+
+    def _inflight_target(self) -> _InflightTarget:
+        target = self._inflight() if self._inflight is not None else None
+        if target is None:
+            target = _InflightTarget()
+            self._inflight = weakref.ref(target)   # alive while an inflight client is
+        return target
 
     def get_tokenizer(self):
         return self.api.tokenizer
@@ -465,28 +599,50 @@ class TrainingClient:
         return APIFuture(ForwardBackwardOutput("ArrayRecord", self._outputs(batch, r.logprobs, None), dict(r.metrics)))
 
     def optim_step(self, optim_params=None, *, adam_params=None) -> APIFuture:
-        r = self.api.optim_step(_adam(adam_params if adam_params is not None else optim_params))
+        with self._changing_weights():
+            r = self.api.optim_step(_adam(adam_params if adam_params is not None else optim_params))
         return APIFuture(OptimStepResponse(metrics=dict(r.metrics)))
 
-    def save_state(self, name: str, ttl_seconds: int | None = None, **_: Any) -> APIFuture:
+    def save_state(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                   **_: Any) -> APIFuture:
+        """Weights, optimizer and version at `<state folder>/checkpoints/<name>/`. A name that holds a
+        checkpoint already is refused (CheckpointExistsError) unless `overwrite=True`, as in the SDK."""
+        _refuse_existing(self.api.state_dir / "checkpoints" / str(name), overwrite, "save_state")
         return APIFuture(SaveWeightsResponse(path=str(self.api.save_state(name))))
 
     def load_state(self, path: str, weights_access_token: str | None = None) -> APIFuture:
         """Weights only (Tinker's meaning); load_state_with_optimizer restores the optimizer too."""
-        self.api.load_state(path, optimizer=False)
+        with self._changing_weights():
+            self.api.load_state(path, optimizer=False)
         return APIFuture(LoadWeightsResponse(path=str(path)))
 
     def load_state_with_optimizer(self, path: str, weights_access_token: str | None = None) -> APIFuture:
-        self.api.load_state(path, optimizer=True)
+        with self._changing_weights():
+            self.api.load_state(path, optimizer=True)
         return APIFuture(LoadWeightsResponse(path=str(path)))
 
-    def save_weights_and_get_sampling_client(self, name: str | None = None, **_: Any) -> SamplingClient:
-        return SamplingClient(self.api.save_weights_and_get_sampling_client(name))
+    def save_weights_and_get_sampling_client(self, name: str | None = None, *, kind: str = "snapshot",
+                                             **_: Any) -> SamplingClient:
+        """A client of the current weights. `kind="snapshot"` (the SDK's default): it samples these weights
+        for its whole life, whatever the training client does next. `kind="inflight"`: every inflight client
+        of this training client samples the weights of its latest inflight save (newer ones, never older).
+        `name` has no effect (deprecated in the SDK)."""
+        if kind not in ("snapshot", "inflight"):
+            raise ValueError(f"kind: 'snapshot' or 'inflight', got {kind!r}")
+        if kind == "inflight":
+            target = self._inflight_target()
+            target.point(self._current)
+            return SamplingClient(_HeldSamplingClient(self, target))
+        return SamplingClient(_HeldSamplingClient(self, self._current))
 
-    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None, **_: Any) -> APIFuture:
+    def save_weights_for_sampler(self, name: str, ttl_seconds: int | None = None, overwrite: bool = False,
+                                 **_: Any) -> APIFuture:
         """A snapshot of the current weights (covrl.api's save_weights_for_sampler: adapters for LoRA, under
         the state folder), also pushed into the sampler; the path names it and its version
-        (`covrl://sampler/<name>@<version>`) for create_sampling_client."""
+        (`covrl://sampler/<name>@<version>`) for create_sampling_client. A name already saved is refused
+        (CheckpointExistsError) unless `overwrite=True` (a covrl addition: the SDK's call has no such option)."""
+        _refuse_existing(self.api.state_dir / SNAPSHOT_DIR / "checkpoints" / str(name), overwrite,
+                         "save_weights_for_sampler")
         self.api.save_weights_for_sampler(name)
         return APIFuture(SaveWeightsForSamplerResponse(path=f"covrl://sampler/{name}@{self.api.version}"))
 
@@ -517,6 +673,65 @@ class TrainingClient:
     create_sampling_client_async = _async("create_sampling_client")
 
 
+@dataclass(eq=False)
+class _HeldWeights:
+    """The weights (version `version`) a training client had while sampling clients were made of them:
+    the model's own while they are current, then `frozen` (LoRA adapters, CPU) or at `path` (a full model,
+    on disk). `holders`: the sampling clients (and inflight targets) that hold them."""
+    version: int
+    frozen: list[torch.Tensor] | None = None
+    path: Path | None = None
+    holders: weakref.WeakSet = field(default_factory=weakref.WeakSet)
+
+
+class _InflightTarget:
+    """The mutable weights the inflight sampling clients of one training client share: each inflight save
+    points it at the weights of that moment."""
+
+    def __init__(self):
+        self.held: _HeldWeights | None = None
+
+    def point(self, held: _HeldWeights) -> None:
+        if self.held is not None:
+            self.held.holders.discard(self)
+        self.held = held
+        held.holders.add(self)
+
+
+class _HeldSamplingClient(_ApiSamplingClient):
+    """A covrl.api SamplingClient that samples the weights it holds (`_HeldWeights`, or an inflight target's)
+    whatever its training client did since: it never goes stale."""
+
+    def __init__(self, trainer: TrainingClient, target: _HeldWeights | _InflightTarget):
+        self._trainer, self._target = trainer, target
+        if isinstance(target, _HeldWeights):
+            target.holders.add(self)
+        super().__init__(trainer.api, self._held().version)
+
+    def _held(self) -> _HeldWeights:
+        return self._target if isinstance(self._target, _HeldWeights) else self._target.held
+
+    @property
+    def version(self) -> int:   # the held weights' (an inflight client's moves with its target)
+        return self._held().version
+
+    @version.setter
+    def version(self, value: int) -> None:   # covrl.api's __init__ sets it; the held weights decide
+        pass
+
+    def _check_fresh(self) -> None:
+        return None
+
+    def _weights_held(self) -> contextlib.AbstractContextManager:
+        return self._trainer._holding(self._held())
+
+
+def _refuse_existing(folder: Path, overwrite: bool, call: str) -> None:
+    if not overwrite and (folder / "COMPLETE").is_file():
+        raise CheckpointExistsError(f"{call}: a checkpoint named {folder.name!r} already exists ({folder}); "
+                                    "save under a new name, or pass overwrite=True to replace it")
+
+
 class SamplingClient:
     """Tinker's SamplingClient over a covrl.api.SamplingClient (`.api`, bound to one weights version)."""
 
@@ -537,9 +752,12 @@ class SamplingClient:
         given = [k for k, v in unsupported.items() if v not in (None, 0, False)]
         if given:
             raise ValueError(f"{given}: not supported here")
-        r = self.api.sample(_ints(prompt, "prompt"), num_samples, _sampling(sampling_params))
-        return APIFuture(SampleResponse([SampledSequence(s.stop_reason, s.tokens, s.logprobs)
-                                         for s in r.sequences]))
+        sampling = _sampling(sampling_params)
+        with _sampler_for(self.api.owner.sampler, sampling):
+            r = self.api.sample(_ints(prompt, "prompt"), num_samples, sampling.params, greedy=sampling.greedy)
+        # stop=[]: nothing stops a sample, so each ran to max_tokens (an EOS among its tokens included)
+        return APIFuture(SampleResponse([SampledSequence("length" if sampling.no_stop else s.stop_reason, s.tokens,
+                                                         s.logprobs) for s in r.sequences]))
 
     def compute_logprobs(self, prompt, prompt_logprobs_last_n: int | None = None) -> APIFuture:
         """log p of each prompt token given the ones before (None for the first), at temperature 1."""
@@ -575,6 +793,7 @@ class ServiceClient:
         self.warmup = warmup
         self.state_dir = state_dir
         self._training_clients: list[TrainingClient] = []   # newest last: they own the covrl://sampler/ paths
+        self._restored: dict[Path, TrainingClient] = {}     # client folder -> a client sampling its snapshots
 
     def _model_section(self, base_model: str) -> dict[str, Any]:
         if base_model in ("tiny", "smollm2") or "smollm2-135m" in base_model.lower():
@@ -638,8 +857,12 @@ class ServiceClient:
                                **_: Any) -> SamplingClient:
         """A client to sample from or score with (e.g. a distillation teacher's `compute_logprobs`):
         `model_path` a `covrl://sampler/<name>@<version>` path that a training client of this ServiceClient
-        saved (`save_weights_for_sampler`), else the model `base_model` names (as for training clients: a known
-        model or a local transformers folder, built as this ServiceClient builds them)."""
+        saved (`save_weights_for_sampler`) or the folder of such a snapshot
+        (`<client folder>/sampler/checkpoints/<name>`, also one an earlier process saved), else the model
+        `base_model` names (as for training clients: a known model or a local transformers folder, built as
+        this ServiceClient builds them)."""
+        if model_path is not None and Path(model_path).is_dir():
+            return self._snapshot_client(Path(model_path))
         if model_path is not None:
             for owner in reversed(self._training_clients):
                 try:
@@ -651,6 +874,27 @@ class ServiceClient:
         if base_model is None:
             raise ValueError("create_sampling_client: give base_model or model_path")
         return self._client(base_model, None, None).save_weights_and_get_sampling_client()
+
+    def _snapshot_client(self, folder: Path) -> SamplingClient:
+        """A client of the snapshot at `folder`: sampled by the training client that saved it when this
+        ServiceClient holds it, else by one built (once per client folder) from its tinker_client.json."""
+        client_folder = folder.resolve().parents[2]    # <client folder>/sampler/checkpoints/<name>
+        meta = client_folder / CLIENT_FILE
+        if folder.resolve().parent.parent.name != SNAPSHOT_DIR or not meta.is_file():
+            raise ValueError(f"model_path {str(folder)!r}: not a snapshot that save_weights_for_sampler wrote "
+                             f"({meta} is missing)")
+        owner = next((c for c in reversed(self._training_clients)
+                      if c.api.state_dir.resolve() == client_folder), None)
+        if owner is None:
+            owner = self._restored.get(client_folder)
+        if owner is None:
+            info = json.loads(meta.read_text())
+            lora = None if info["lora"] is None else LoraConfig(**info["lora"])
+            owner = self._restored[client_folder] = self._client(info["base_model"], lora, info["seed"])
+        try:
+            return SamplingClient(owner.api.create_sampling_client(folder))
+        except CheckpointError as err:
+            raise ValueError(f"model_path {str(folder)!r}: {err}") from None
 
     def create_lora_training_client(self, base_model: str, rank: int = 32, seed: int | None = None,
                                     train_mlp: bool = True, train_attn: bool = True, train_unembed: bool = True,
@@ -678,9 +922,9 @@ class ServiceClient:
     create_sampling_client_async = _async("create_sampling_client")
 
 
-__all__ = ["APIFuture", "AdamParams", "Datum", "EncodedTextChunk", "ForwardBackwardOutput", "ImageAssetPointerChunk",
-           "ImageChunk", "LoadWeightsResponse", "ModelInput", "ModelInputChunk", "OptimStepResponse",
-           "SampleResponse", "SampledSequence", "SamplingClient", "SamplingParams", "SaveWeightsForSamplerResponse",
+__all__ = ["APIFuture", "AdamParams", "CheckpointExistsError", "Datum", "EncodedTextChunk", "ForwardBackwardOutput",
+           "ImageAssetPointerChunk", "ImageChunk", "LoadWeightsResponse", "ModelInput", "ModelInputChunk",
+           "OptimStepResponse", "SampleResponse", "SampledSequence", "SamplingClient", "SamplingParams", "SaveWeightsForSamplerResponse",
            "SaveWeightsResponse", "ServiceClient", "StaleSamplingClientError", "StopReason", "TensorData",
            "TinkerError", "TrainingClient", "data_to_batch", "install_as_tinker", "types"]
 

@@ -19,9 +19,12 @@ What it serves (the endpoints SDK 0.38 calls for training and sampling):
   there, else `try_again` after a long poll.
 
 Checkpoints are `tinker://<model id>/weights/<name>` (a covrl atomic checkpoint at
-`<root>/<model id>/checkpoints/<name>/`) and `tinker://<model id>/sampler_weights/<name>`; a model id is the
-name of the training client's folder under `--dir`, so a server started again over the same folder resumes
-from the paths an earlier one returned. Not served: custom losses on the server (the SDK runs
+`<root>/<model id>/checkpoints/<name>/`) and `tinker://<model id>/sampler_weights/<name>` (at
+`<root>/<model id>/sampler/checkpoints/<name>/`); a model id is the name of the training client's folder under
+`--dir`, so a server started again over the same folder serves every path an earlier one returned. A name that
+holds a checkpoint already is refused (the SDK's `save_state(..., overwrite=True)` replaces one). Sampling
+clients keep the weights they were made with (`covrl.api.tinker.TrainingClient`); `get_info` names a tokenizer
+folder under `<root>/tokenizers/`, so the SDK's `get_tokenizer()` loads it without the model hub. Not served: custom losses on the server (the SDK runs
 `forward_backward_custom` on the client), image/audio chunks, top-k log-probs, `stable_reinforce`, the
 console/billing/admin endpoints. There is no authentication: the SDK needs `TINKER_API_KEY` set to any value that starts with `tml-`,
 and the server listens on 127.0.0.1 only.
@@ -32,6 +35,7 @@ from __future__ import annotations
 import hashlib
 import json
 import queue
+import shutil
 import sys
 import threading
 import time
@@ -46,6 +50,7 @@ from typing import Any
 import numpy as np
 
 from covrl.api import tinker as facade
+from covrl.api.client import SNAPSHOT_DIR
 from covrl.api.tinker_wire import (
     WireError,
     decode_forward_backward_request,
@@ -97,7 +102,6 @@ class TinkerServer:
         self.models: dict[str, facade.TrainingClient] = {}
         self.samplers: dict[str, _Sampler] = {}
         self.sessions: dict[str, float] = {}            # session id -> last heartbeat (monotonic)
-        self._snapshots: dict[str, tuple[str, str]] = {}  # tinker sampler path -> (model id, covrl:// path)
         self._futures: dict[str, _Future] = {}
         self._jobs: queue.Queue = queue.Queue()
         self._lock = threading.Lock()
@@ -247,9 +251,27 @@ class TinkerServer:
         model_id, client = self._model(body)
         lora = getattr(client.api.model, "peft_config", None)
         rank = None if lora is None else int(next(iter(lora.values())).r)
+        # the SDK's get_tokenizer() loads model_data.tokenizer_id with AutoTokenizer: a folder, not a hub name
+        tokenizer = str(self._tokenizer_folder(client))
         return {"type": "get_info", "model_id": model_id, "model_name": client.base_model, "is_lora": lora is not None,
-                "lora_rank": rank, "model_data": {"model_name": client.base_model, "tokenizer_id": client.base_model,
+                "lora_rank": rank, "model_data": {"model_name": client.base_model, "tokenizer_id": tokenizer,
                                                   "arch": type(client.api.model).__name__}}
+
+    def _tokenizer_folder(self, client: facade.TrainingClient) -> Path:
+        """`<root>/tokenizers/<model>-<hash>/`: the tokenizer of `client`'s model, saved once (atomically, by
+        rename) so `AutoTokenizer.from_pretrained(folder)` loads it offline."""
+        name = client.base_model
+        slug = "".join(c if c.isalnum() or c in "-_." else "-" for c in Path(name).name)[:40]
+        folder = self.root / "tokenizers" / f"{slug}-{hashlib.sha256(name.encode()).hexdigest()[:8]}"
+        with self._lock:
+            if not folder.is_dir():
+                tmp = folder.parent / f".tmp-{folder.name}-{uuid.uuid4().hex[:8]}"
+                client.api.tokenizer.save_pretrained(str(tmp))
+                try:
+                    tmp.rename(folder)
+                except OSError:   # another server over the same --dir wrote it first
+                    shutil.rmtree(tmp, ignore_errors=True)
+        return folder.resolve()
 
     def forward_backward(self, raw: bytes) -> dict:
         try:
@@ -290,10 +312,13 @@ class TinkerServer:
         model_id, client = self._model(body)
         name = body.get("path") or f"state-{client.api.version:06d}"
         _check_name(name)
+        overwrite = bool(body.get("overwrite"))
 
         def job():
-            client.save_state(name).result()
-            return _json({"path": f"tinker://{client.api.state_dir.name}/weights/{name}", "type": "save_weights"})
+            path = f"tinker://{client.api.state_dir.name}/weights/{name}"
+            _refuse_taken(client.api.state_dir / "checkpoints" / name, path, overwrite)
+            client.save_state(name, overwrite=True).result()
+            return _json({"path": path, "type": "save_weights"})
         return self._submit(f"save_weights {name}", job, model_id)
 
     def _state_folder(self, tinker_path: str) -> Path:
@@ -340,16 +365,20 @@ class TinkerServer:
     def _save_for_sampler(self, body: dict) -> dict:
         model_id, client = self._model(body)
         name = body.get("path")
+        kind = body.get("kind") or "snapshot"
+        if kind not in ("snapshot", "inflight"):
+            raise UserError(f"kind: 'snapshot' or 'inflight', got {kind!r}")
 
         def job():
-            if name is None:      # save_weights_and_get_sampling_client: the current weights, nothing written
-                sampler_id = self._add_sampler(client.save_weights_and_get_sampling_client(), client.base_model,
-                                               None)
+            if name is None:      # save_weights_and_get_sampling_client: a client holding the current weights
+                sampler_id = self._add_sampler(client.save_weights_and_get_sampling_client(kind=kind),
+                                               client.base_model, None)
                 return _json({"sampling_session_id": sampler_id, "type": "save_weights_for_sampler"})
             _check_name(name)
-            covrl_path = client.save_weights_for_sampler(name).result().path
             tinker_path = f"tinker://{client.api.state_dir.name}/sampler_weights/{name}"
-            self._snapshots[tinker_path] = (model_id, covrl_path)
+            # SDK 0.38's save_weights_for_sampler has no overwrite option: a name is saved once
+            _refuse_taken(client.api.state_dir / SNAPSHOT_DIR / "checkpoints" / name, tinker_path, False)
+            client.save_weights_for_sampler(name).result()
             return _json({"path": tinker_path, "type": "save_weights_for_sampler"})
         return self._submit(f"save_weights_for_sampler {name or '(current weights)'}", job, model_id)
 
@@ -360,13 +389,13 @@ class TinkerServer:
 
     def _sampling_client(self, model_path: str | None, base_model: str | None) -> tuple[Any, str]:
         if model_path:
-            model_id, kind, _ = _parse_path(model_path)
-            if kind == "sampler_weights":
-                if model_path not in self._snapshots:
-                    raise UserError(f"model_path {model_path!r}: not saved by a model this server holds")
-                owner_id, covrl_path = self._snapshots[model_path]
-                owner = self.models[owner_id]
-                return owner.create_sampling_client(covrl_path), owner.base_model
+            model_id, kind, name = _parse_path(model_path)
+            if kind == "sampler_weights":   # found on disk: also one that an earlier server saved
+                folder = self.root / model_id / SNAPSHOT_DIR / "checkpoints" / name
+                if not (folder / "COMPLETE").is_file():
+                    raise UserError(f"model_path {model_path!r}: no complete sampler weights at {folder}")
+                info = json.loads((self.root / model_id / facade.CLIENT_FILE).read_text())
+                return self.service.create_sampling_client(model_path=str(folder)), info["base_model"]
             state = self._state_folder(model_path)      # a training state: a client of those weights
             owner = self.service.create_training_client_from_state(str(state))
             return owner.save_weights_and_get_sampling_client(), owner.base_model
@@ -410,13 +439,8 @@ class TinkerServer:
         want_prompt_logprobs = bool(body.get("prompt_logprobs"))
 
         def job():
-            try:
-                prompt_lp = client.compute_logprobs(prompt).result() if want_prompt_logprobs else None
-                out = client.sample(prompt, n, sampling).result()
-            except facade.StaleSamplingClientError as err:
-                raise UserError(f"{err}. covrl serve keeps the newest weights for the clients of "
-                                "save_weights_and_get_sampling_client; save_weights_for_sampler(name) keeps a "
-                                "snapshot to sample from later") from None
+            prompt_lp = client.compute_logprobs(prompt).result() if want_prompt_logprobs else None
+            out = client.sample(prompt, n, sampling).result()
             return PROTO, encode_sample_response([(s.stop_reason, s.tokens, s.logprobs) for s in out.sequences],
                                                  prompt_lp)
         return self._submit(f"sample {n} x {len(prompt.to_ints())} prompt tokens", job,
@@ -540,6 +564,16 @@ def _field(body: dict, name: str, kind: type):
     return value
 
 
+def _refuse_taken(folder: Path, tinker_path: str, overwrite: bool) -> None:
+    """A save under a name that holds a checkpoint: the SDK's 409 Conflict, as a failed future (a 409 answer
+    to the request itself would make the SDK retry it for five minutes)."""
+    if not overwrite and (folder / "COMPLETE").is_file():
+        raise facade.CheckpointExistsError(
+            f"409 Conflict: {tinker_path} already exists; save under a new name"
+            + (", or pass overwrite=True to replace it" if "/weights/" in tinker_path else
+               " (save_weights_for_sampler never replaces sampler weights)"))
+
+
 def _check_name(name: str) -> None:
     if not name or "/" in name or name.startswith("."):
         raise UserError(f"path {name!r}: a checkpoint name without '/' is needed")
@@ -564,10 +598,11 @@ def _prompt_tokens(prompt: Any) -> list[int]:
     return tokens
 
 
-def serve(*, config: str | None, overrides: list[str] | None, port: int, root: str, warmup: bool) -> int:
+def serve(*, config: str | None, overrides: list[str] | None, port: int, root: str, warmup: bool,
+          host: str = "127.0.0.1") -> int:
     """Build the ServiceClient and serve until Ctrl-C / SIGTERM (`covrl serve`)."""
     service = facade.ServiceClient(config=config, overrides=overrides or None, warmup=warmup, state_dir=root)
-    server = TinkerServer(service, root=root, port=port)
+    server = TinkerServer(service, root=root, host=host, port=port)
     print(f"covrl serve: Tinker API at {server.base_url} (models under {Path(root).resolve()}); "
           f"ServiceClient(base_url={server.base_url!r}) with TINKER_API_KEY=tml-<anything>", flush=True)
     try:

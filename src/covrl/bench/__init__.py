@@ -1,5 +1,6 @@
 """Benchmarks. Each module exposes `configure(parser)` and `run(args) -> dict`; results land as JSON + a table
-under `benchmarks/` with the machine description. Timings live here, never in test assertions."""
+with the machine description under `runs/bench/`, or as the committed baselines under `benchmarks/` with
+`--update-baseline` (covrl.bench.common.output_dir). Timings live here, never in test assertions."""
 
 BENCHES: dict[str, str] = {
     "trl": "covrl.bench.trl_bench",

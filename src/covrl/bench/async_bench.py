@@ -25,7 +25,7 @@ import os
 import time
 from pathlib import Path
 
-from covrl.bench.common import write_bench
+from covrl.bench.common import add_output_options, output_dir, write_bench
 from covrl.config import load_config, load_preset, override_strings
 from covrl.train import (
     ensure_ray,
@@ -53,7 +53,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--repeats", type=int, default=1, help="runs per mode, alternating the order; medians")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process")
     parser.add_argument("--sft-steps", type=int, default=20, help="supervised warm-up (tiny model) so rewards vary")
-    parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    add_output_options(parser)   # --out, --update-baseline (covrl.bench.common)
     parser.add_argument("--quick", action="store_true", help="tiny model, 3 steps, no Ray: seconds, for tests")
 
 
@@ -215,5 +215,5 @@ def run(args: argparse.Namespace) -> int:
     name = "async" + ("-quick" if args.quick else f"-{args.model}") + ("-partial" if "partial" in modes else "")
     headline = ", ".join(f"{mode} {r['rollouts_per_s'] / base:.2f}x" for mode, r in results["modes"].items()
                          if mode != reference) + f" {reference} rollouts/s"
-    write_bench(name, results, "\n".join(lines) + note, Path(args.out), headline=headline)
+    write_bench(name, results, "\n".join(lines) + note, output_dir(args), headline=headline)
     return 0

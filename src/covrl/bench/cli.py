@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import argparse
+import difflib
 import importlib
-import sys
 
 from covrl.bench import BENCHES
 
@@ -18,10 +18,16 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from covrl.settings import ConfigError, user_error
+
     if args.name not in BENCHES:
-        print(f"unknown benchmark {args.name!r}; choose from: {', '.join(BENCHES)}", file=sys.stderr)
-        return 2
+        close = difflib.get_close_matches(args.name, list(BENCHES), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        return user_error("covrl bench", f"unknown benchmark {args.name!r}; choose from: {', '.join(BENCHES)}{hint}")
     module = importlib.import_module(BENCHES[args.name])
     sub = argparse.ArgumentParser(prog=f"covrl bench {args.name}")
     module.configure(sub)
-    return int(module.run(sub.parse_args(args.options)) or 0)
+    try:
+        return int(module.run(sub.parse_args(args.options)) or 0)
+    except (ConfigError, FileNotFoundError) as err:   # a bad override or config, a missing file
+        return user_error(f"covrl bench {args.name}", err)

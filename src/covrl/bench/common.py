@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import json
 import os
 import platform
@@ -11,12 +12,12 @@ import time
 from pathlib import Path
 from typing import Any
 
-from covrl.train import versions
-
 
 def machine_description() -> dict[str, Any]:
     """The run's provenance (covrl.train.versions: packages, CPU model) plus what a timing depends on."""
     import torch
+
+    from covrl.train import versions  # here: the output options below stay importable without torch
 
     info: dict[str, Any] = {**versions(), "processor": platform.processor(), "cpu_count": os.cpu_count(),
                             "torch_threads": torch.get_num_threads()}
@@ -35,41 +36,90 @@ def cpu_slug(cpu_model: str | None) -> str:
     return re.sub(r"[^a-z0-9]+", "-", text).strip("-") or "unknown-cpu"
 
 
-def write_bench(name: str, results: dict[str, Any], table: str, out_dir: Path = Path("benchmarks"), *,
+# Where results go: one rule for every benchmark. A run writes under RESULTS (git ignores runs/); the committed
+# baselines under BASELINES change only when asked (--update-baseline), never as a side effect of measuring.
+BASELINES = Path("benchmarks")
+RESULTS = Path("runs") / "bench"
+
+
+def add_output_options(parser: argparse.ArgumentParser) -> None:
+    """`--out` and `--update-baseline`, the same for every benchmark (resolved by `output_dir`)."""
+    parser.add_argument("--out", type=Path, default=None,
+                        help=f"folder for the JSON + table (default: {RESULTS}; with --update-baseline: {BASELINES})")
+    parser.add_argument("--update-baseline", action="store_true",
+                        help=f"replace this CPU model's committed baseline {BASELINES}/<name>/<cpu>.json and "
+                             f"regenerate {BASELINES}/README.md")
+
+
+def output_dir(args: argparse.Namespace) -> Path:
+    """The folder a benchmark writes into: `--out` when given, else the committed baselines with
+    `--update-baseline`, else runs/bench."""
+    if getattr(args, "out", None) is not None:
+        return Path(args.out)
+    return BASELINES if getattr(args, "update_baseline", False) else RESULTS
+
+
+def write_bench(name: str, results: dict[str, Any], table: str, out_dir: Path | None = None, *,
                 headline: str) -> Path:
-    """Write the baseline of benchmark `name` on this CPU model, `<out_dir>/<name>/<cpu>.json` (replacing the
-    previous one: git keeps the history) with its table `<cpu>.md`, and regenerate `<out_dir>/README.md`, the
-    summary of every baseline. `headline`: the one-line result the summary shows."""
+    """Write the result of benchmark `name` on this CPU model, `<out_dir>/<name>/<cpu>.json` (replacing the
+    previous one of that folder) with its table `<cpu>.md`, and regenerate `<out_dir>/README.md`, the summary of
+    every result there. `out_dir`: runs/bench by default; `benchmarks` (the committed baselines) only when the
+    caller asks for it (`output_dir` with --update-baseline). `headline`: the one-line result the summary shows."""
+    out_dir = Path(out_dir) if out_dir is not None else RESULTS
     machine = machine_description()
-    folder = Path(out_dir) / name
+    folder = out_dir / name
     folder.mkdir(parents=True, exist_ok=True)
     stamp = time.strftime("%Y-%m-%d %H:%M:%S")
     payload = {"name": name, "machine": machine, "written_at": stamp, "headline": headline, "results": results}
     path = folder / f"{cpu_slug(machine.get('cpu_model'))}.json"
     path.write_text(json.dumps(payload, indent=2, default=str))
     path.with_suffix(".md").write_text(f"# bench {name}: {machine.get('cpu_model')}, {stamp}\n\n{table}\n")
-    write_summary(Path(out_dir))
+    baseline = _same_folder(out_dir, BASELINES)
+    write_summary(out_dir, baseline=baseline)
     print(table)
-    print(f"baseline: {path}")
+    if baseline:
+        print(f"baseline updated: {path} (and {out_dir / 'README.md'})")
+    else:
+        committed = BASELINES / name / path.name
+        print(f"results: {path} (table {path.with_suffix('.md')}); the committed baseline {committed} is "
+              "unchanged (--update-baseline replaces it)")
     return path
 
 
-SUMMARY_HEAD = """# Benchmark baselines
+def _same_folder(a: Path, b: Path) -> bool:
+    try:
+        return Path(a).resolve() == Path(b).resolve()
+    except OSError:
+        return False
 
-The newest result of each benchmark on each CPU model, as written by `covrl bench NAME`: one JSON per
-(benchmark, CPU), `benchmarks/<benchmark>/<cpu>.json`, with its table beside it (`<cpu>.md`). `<cpu>` is the
-JSON's `machine.cpu_model` with `(R)` and `(TM)` removed, lowercased, and every run of other characters than
-letters and digits replaced by `-`. A new run replaces the baseline of its CPU model; git keeps the older ones.
+
+SUMMARY_HEADS = {
+    True: """# Benchmark baselines
+
+The newest result of each benchmark on each CPU model, as written by `covrl bench NAME --update-baseline` (a
+run without it writes under `runs/bench/` and leaves this folder alone): one JSON per (benchmark, CPU),
+`benchmarks/<benchmark>/<cpu>.json`, with its table beside it (`<cpu>.md`). `<cpu>` is the JSON's
+`machine.cpu_model` with `(R)` and `(TM)` removed, lowercased, and every run of other characters than letters and
+digits replaced by `-`. A new baseline replaces the one of its CPU model; git keeps the older ones.
 What each benchmark measures, its command and how to read it: [docs/performance.md](../docs/performance.md).
 This file is generated (covrl.bench.common.write_summary).
+""",
+    False: """# Benchmark results
 
+The newest result of each benchmark on each CPU model written into this folder by `covrl bench NAME`: one JSON
+per (benchmark, CPU), `<benchmark>/<cpu>.json`, with its table beside it (`<cpu>.md`). The committed baselines
+are in `benchmarks/` (`covrl bench NAME --update-baseline` replaces them). This file is generated
+(covrl.bench.common.write_summary).
+""",
+}
+SUMMARY_TABLE_HEAD = """
 | benchmark | cpu | date | headline | file |
 |---|---|---|---|---|
 """
 
 
-def write_summary(out_dir: Path) -> Path:
-    """`<out_dir>/README.md`: one row per baseline JSON (benchmark, CPU model, date, headline, file)."""
+def write_summary(out_dir: Path, *, baseline: bool = True) -> Path:
+    """`<out_dir>/README.md`: one row per result JSON (benchmark, CPU model, date, headline, file)."""
     rows = []
     for path in sorted(Path(out_dir).glob("*/*.json")):
         try:
@@ -80,7 +130,7 @@ def write_summary(out_dir: Path) -> Path:
         rows.append(f"| {payload.get('name', path.parent.name)} | {payload.get('machine', {}).get('cpu_model')} | "
                     f"{str(payload.get('written_at', ''))[:10]} | {payload.get('headline', '')} | [{rel}]({rel}) |")
     target = Path(out_dir) / "README.md"
-    target.write_text(SUMMARY_HEAD + "\n".join(rows) + "\n")
+    target.write_text(SUMMARY_HEADS[baseline] + SUMMARY_TABLE_HEAD + "\n".join(rows) + "\n")
     return target
 
 

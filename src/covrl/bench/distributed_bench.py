@@ -13,7 +13,8 @@ every rank; lr 1e-9 so the weights do not drift), warm-up steps first, then the 
   1e-9), share = 1 - t(no sync) / t(ddp); plus a standalone all-reduce of a buffer the size of the trainable
   gradient and the leader's broadcast of the batch (what a run adds per step: `Channel`).
 
-Timings go to benchmarks/distributed-<model>-<stamp>.json and the table to benchmarks/distributed-<model>.md."""
+Timings go to runs/bench/distributed-<model>/<cpu>.json with the table beside it (`--update-baseline`: the
+committed baseline under benchmarks/)."""
 
 from __future__ import annotations
 
@@ -28,7 +29,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from covrl.bench.common import load1, write_bench
+from covrl.bench.common import add_output_options, load1, output_dir, write_bench
 from covrl.bench.models import DEFAULT_CACHE, cached_model
 from covrl.bench.settings import StepSettings, bench_train_config, default_task_overrides
 from covrl.bench.step_bench import synthetic_batch
@@ -47,7 +48,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
     parser.add_argument("--world", type=int, default=2, help="ranks of the distributed setups")
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
-    parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    add_output_options(parser)   # --out, --update-baseline (covrl.bench.common)
     parser.add_argument("--whole-budget", action=argparse.BooleanOptionalAction, default=True,
                         help="also time 1 process with world x threads threads")
     parser.add_argument("--quick", action="store_true", help="tiny model, 8 rows, 1+1 steps, no 1 x world*threads "
@@ -190,5 +191,5 @@ def run(args: argparse.Namespace) -> int:
     headline = (f"{args.world} ranks DDP {ddp['speedup_vs_1x']:.2f}x one process; communication "
                 f"{100 * comm['ddp_comm_share']:.0f}%")
     write_bench(f"distributed-{args.model}" + ("-quick" if args.quick else ""), results,
-                "\n".join(table) + "\n" + note, Path(args.out), headline=headline)
+                "\n".join(table) + "\n" + note, output_dir(args), headline=headline)
     return 0

@@ -9,9 +9,8 @@ from __future__ import annotations
 
 import argparse
 import math
-from pathlib import Path
 
-from covrl.bench.common import write_bench
+from covrl.bench.common import add_output_options, output_dir, write_bench
 from covrl.explore.loop import run_bandit
 
 
@@ -22,7 +21,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--small-M", type=int, default=8, help="the fixed small ensemble size")
     parser.add_argument("--threads", type=int, default=1, help="torch threads")
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--out", type=Path, default=Path("benchmarks"), help="folder for the JSON and table")
+    add_output_options(parser)   # --out, --update-baseline (covrl.bench.common)
 
 
 def run(args: argparse.Namespace) -> int:
@@ -64,6 +63,7 @@ def run(args: argparse.Namespace) -> int:
     last = rows[-1]
     headline = (f"d = {last['d']}: LinTS / Ensemble++ (M = {last['M_small']}) time per step "
                 f"{last['ratio_lints_over_epp_small']:.1f}x")
-    write_bench("explore", {"settings": vars(args) | {"out": str(args.out)}, "rows": rows}, table, args.out,
+    out = output_dir(args)
+    write_bench("explore", {"settings": vars(args) | {"out": str(out)}, "rows": rows}, table, out,
                 headline=headline)
     return 0

@@ -31,7 +31,13 @@ import statistics
 import time
 from pathlib import Path
 
-from covrl.bench.common import measure_bandwidth, measure_matmul_flops, write_bench
+from covrl.bench.common import (
+    add_output_options,
+    measure_bandwidth,
+    measure_matmul_flops,
+    output_dir,
+    write_bench,
+)
 from covrl.bench.models import DEFAULT_CACHE, cached_model
 from covrl.bench.settings import StepSettings, build_bench_task, default_task_overrides
 from covrl.rollout import SamplerConfig, build_sampler
@@ -50,7 +56,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads (both sides)")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"])
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
-    parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    add_output_options(parser)   # --out, --update-baseline (covrl.bench.common)
     parser.add_argument("--vllm", default="auto", choices=["auto", "off"], help="auto: add the vLLM sampler "
                         "side when vllm is importable (skipped with a message otherwise)")
     parser.add_argument("--vllm-engine", default="process", choices=["process", "in-process"],
@@ -325,7 +331,7 @@ def run(args: argparse.Namespace) -> int:
         table += ("\n" if table else "") + compile_table(rows, args.compile_backend)
     write_bench(f"rollout-{args.model}" + ("" if args.dtype == "float32" else f"-{args.dtype}")
                 + ("-compile" if args.compile == "only" else "") + ("-quick" if args.quick else ""), results,
-                table + note, Path(args.out), headline=_headline(rows, args, with_vllm))
+                table + note, output_dir(args), headline=_headline(rows, args, with_vllm))
     return 0
 
 

@@ -38,7 +38,7 @@ import statistics
 import time
 from dataclasses import replace
 
-from covrl.bench.common import count_flops, measure_matmul_flops, write_bench
+from covrl.bench.common import add_output_options, count_flops, measure_matmul_flops, output_dir, write_bench
 from covrl.bench.models import DEFAULT_CACHE, cached_model
 from covrl.bench.settings import StepSettings, bench_train_config, default_task_overrides
 from covrl.math import kl_estimate, rollout_correction, token_logprobs
@@ -84,7 +84,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "first is the baseline of the ratios and of the log-prob mismatch)")
     parser.add_argument("--variants", default="all", help="comma-separated variant names or 'all'")
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
-    parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    add_output_options(parser)   # --out, --update-baseline (covrl.bench.common)
     parser.add_argument("--quick", action="store_true", help="tiny model, small grid, 1 repeat (tests)")
     parser.add_argument("--compile", default="off", choices=["off", "also", "only"],
                         help="eager vs torch.compile'd forward+backward on the grid: off, also (after the other "
@@ -324,7 +324,6 @@ def run(args: argparse.Namespace) -> int:
 
 def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: float) -> int:
     import os
-    from pathlib import Path
 
     import torch
 
@@ -354,7 +353,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                    "packing": packing_compare(model, vocab, args)}
         p = results["packing"]
         write_bench(f"step-packing-{args.model}" + ("-quick" if args.quick else ""), results, packing_table(p),
-                    Path(args.out), headline=f"packed fwd+bwd {p['speedup']:.2f}x padded ({p['rows']} rows, "
+                    output_dir(args), headline=f"packed fwd+bwd {p['speedup']:.2f}x padded ({p['rows']} rows, "
                                              f"responses {p['spread'][0]}-{p['spread'][1]} tokens)")
         return 0
     if args.compile == "only":
@@ -364,7 +363,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
         note = (f"\nmodel {args.model}, {count[arms[0]]} thread(s), prompt {args.prompt_length} tokens, groups of "
                 f"{args.group_size}, {args.repeats} alternating repeats (median).\n")
         write_bench(f"step-compile-{args.model}" + ("-quick" if args.quick else ""), results,
-                    compile_table(rows, args.compile_backend) + note, Path(args.out),
+                    compile_table(rows, args.compile_backend) + note, output_dir(args),
                     headline=f"compiled fwd+bwd {rows[-1]['compiled_vs_eager']:.2f}x eager "
                              f"({rows[-1]['micro_batch']} rows x {rows[-1]['response_length']} tokens)")
         return 0
@@ -551,7 +550,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
     write_bench(f"step-{args.model}{tag}" + ("-quick" if args.quick else ""), results,
                 "\n".join(t1) + "\n\n" + "\n".join(t2) + "\n\n" + t3 + t4
                 + ("" if compile_rows is None else "\n" + compile_table(compile_rows, args.compile_backend)) + note,
-                Path(args.out), headline=_headline(results))
+                output_dir(args), headline=_headline(results))
     return 0
 
 

@@ -19,7 +19,8 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
-from pathlib import Path
+
+from covrl.bench.common import add_output_options, output_dir
 
 SHAPES = {
     "qwen3-0.6b": {"hidden_size": 1024, "num_hidden_layers": 28, "num_attention_heads": 16,
@@ -48,7 +49,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                         help="trainer.autocast (default: bf16 on CUDA, none on a CPU)")
     parser.add_argument("--peak-tflops", type=float, default=None, help="the device's peak, for MFU")
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's)")
-    parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    add_output_options(parser)   # --out, --update-baseline (covrl.bench.common)
 
 
 def flops_per_token(cfg: dict, seq_len: int) -> float:
@@ -161,5 +162,5 @@ def run(args: argparse.Namespace) -> int:
     name = f"throughput-{res['shape']}-{'cuda' if res['device'].startswith('cuda') else 'cpu'}"
     headline = ", ".join(f"{r['seq_len']} tokens {r['tokens_per_s']:,.0f} tok/s MFU {r['mfu']:.1%}"
                          for r in res["rows"])
-    write_bench(name, res, "\n".join(lines), Path(args.out), headline=headline)
+    write_bench(name, res, "\n".join(lines), output_dir(args), headline=headline)
     return 0

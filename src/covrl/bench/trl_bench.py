@@ -23,10 +23,9 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from pathlib import Path
 
 from covrl.bench.alternate import WORKERS, run_alternating
-from covrl.bench.common import write_bench
+from covrl.bench.common import add_output_options, output_dir, write_bench
 from covrl.bench.models import DEFAULT_CACHE
 from covrl.bench.settings import StepSettings, default_task_overrides
 from covrl.train import git_state
@@ -43,7 +42,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per side")
     parser.add_argument("--sides", default="covrl,trl", help="which sides to run (comma-separated)")
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
-    parser.add_argument("--out", default="benchmarks", help="folder for the JSON + table")
+    add_output_options(parser)   # --out, --update-baseline (covrl.bench.common)
     parser.add_argument("--quick", action="store_true", help="tiny model, 2 steps, short completions (tests)")
     parser.add_argument("--covrl-set", action="append", default=[], metavar="SECTION.KEY=VALUE",
                         help="override the covrl side's config (repeatable), e.g. sampler.compile=true: covrl "
@@ -124,5 +123,5 @@ def run(args: argparse.Namespace) -> int:
     headline = (f"covrl/TRL throughput {ratios['throughput_covrl_over_trl']:.2f}x ({settings.n_prompts} x "
                 f"{settings.group_size} rollouts, {settings.max_new_tokens} tokens)" if ratios else
                 "failed: " + "; ".join(f"{k}: {v}" for k, v in failed.items()))
-    write_bench(name, results, table, Path(args.out), headline=headline)
+    write_bench(name, results, table, output_dir(args), headline=headline)
     return 0 if any(summary.values()) else 1

@@ -13,6 +13,7 @@ from pydantic import Field
 from covrl.models.smollm2 import ModelNotFoundError, load_smollm2
 from covrl.models.tiny import char_tokenizer, tiny_llama
 from covrl.settings import Section
+from covrl.settings.quiet import progress_bars_for_stdout
 
 DTypeName = Literal["float32", "bfloat16", "float16"]
 
@@ -130,7 +131,8 @@ def load_model(cfg: ModelConfig, *, seed: int = 0):
 
     if cfg.source not in MODEL_SOURCES:
         raise ValueError(f"model.source={cfg.source!r}; allowed: {sorted(MODEL_SOURCES)}")
-    with torch.random.fork_rng():
+    # no progress bars (the GGUF conversion, the shards) in a log file: one endless line there
+    with torch.random.fork_rng(), progress_bars_for_stdout():
         torch.manual_seed(seed)
         model, tok = MODEL_SOURCES[cfg.source](cfg, seed)
         if tok.pad_token_id is None:

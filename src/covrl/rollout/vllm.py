@@ -46,7 +46,8 @@ process, and receives the trainer's weights without a restart.
   an engine step, hence the last bits of the log-probs, depend on timing; the scheduler is paused while a
   call's requests are enqueued, so the first step sees all of them and a call repeats bit for bit. On a CPU
   the engine process's OpenMP threads bind to `sampler.vllm.omp_threads_bind` (default: every core this
-  process may use; vLLM's `auto` keeps one core for its scheduler, half of a 2-core machine), and
+  process may use, at most OMP_NUM_THREADS of them, which a run sets from `run.num_threads`; vLLM's `auto`
+  keeps one core for its scheduler, half of a 2-core machine), and
   `torch.set_num_threads` keeps working in the trainer's process. vLLM's CPU build starts the engine with
   `spawn`: a script that builds this sampler needs an `if __name__ == "__main__":` guard (the `covrl`
   command has one; `python -m covrl` is safe: spawn does not rerun a package's `__main__`). `shutdown_engines()` stops the engines this process started.
@@ -60,8 +61,8 @@ the weights that generated it; the trainer side keeps its own engine for evaluat
 Threads on a CPU: an in-process engine does not bind OpenMP threads (vLLM binds only the workers of its
 multiprocess executor); it computes with its process's torch thread count, frozen when it starts (after that
 `torch.set_num_threads` is a no-op), so a worker sets `async_loop.sampler_threads` (or `sampler_cpus`) first.
-Engines in their own process bind to `sampler.vllm.omp_threads_bind` (default every core the process may use:
-several such workers overlap). vLLM's CPU attention has kernels for a fixed set of head sizes; another one is
+Engines in their own process bind to `sampler.vllm.omp_threads_bind` (default every core the process may use,
+at most OMP_NUM_THREADS of them: the worker's thread budget; several such workers on one machine overlap). vLLM's CPU attention has kernels for a fixed set of head sizes; another one is
 refused before the engine starts. The Ray path: docs/engines.md ("Several engines").
 """
 
@@ -72,6 +73,7 @@ import copy
 import hashlib
 import importlib.util
 import json
+import logging
 import multiprocessing.connection
 import os
 import shutil
@@ -91,6 +93,7 @@ from covrl.models.loading import PEFT_PREFIX, lora_merge_plan, merge_lora_state_
 from covrl.rollout.prompts import check_prompts
 from covrl.rollout.types import TOPK_LOGPROB_FLOOR, RolloutBatch, RolloutTiming
 from covrl.settings import Section
+from covrl.settings.quiet import engine_warnings, progress_bars_enabled
 
 __all__ = ["VLLMEngineConfig", "VLLMEngineDiedError", "VLLMSampler", "build_vllm_sampler", "export_model_folder",
            "shutdown_engines", "vllm_available", "VLLM_EXTRA_HINT"]
@@ -129,8 +132,9 @@ class VLLMEngineConfig(Section):
                              "safetensors file of each weight sync; the system temp folder if it is missing")
     omp_threads_bind: str | None = Field(None, description="engine_process on a CPU only: "
                                          "VLLM_CPU_OMP_THREADS_BIND for the engine process; None = every core "
-                                         "this process may use ('0,1,...'; vLLM's 'auto' keeps one core idle for "
-                                         "its scheduler)")
+                                         "this process may use ('0,1,...'), at most OMP_NUM_THREADS of them (set "
+                                         "by run.num_threads); vLLM's 'auto' keeps one core idle for its "
+                                         "scheduler")
     lora_sync: Literal["merged", "adapter"] = Field(
         "merged", description="LoRA models only: merged = push W + scale * B @ A every sync; adapter = start the "
         "engine with enable_lora and send the adapters (peft format, a folder under weights_dir) as a new vLLM "
@@ -193,14 +197,23 @@ _ENGINES: dict[tuple, dict] = {}
 
 
 def _cpu_list() -> str:
-    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else range(os.cpu_count() or 1)
-    return ",".join(map(str, cores))
+    """The engine process's cores: those this process may use, at most OMP_NUM_THREADS of them (a run puts
+    its `run.num_threads` there: covrl.train.run.threads)."""
+    cores = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    try:
+        limit = int(os.environ.get("OMP_NUM_THREADS", ""))
+    except ValueError:
+        limit = 0
+    return ",".join(map(str, cores[:limit] if limit > 0 else cores))
 
 
 def _start_env(vcfg: VLLMEngineConfig) -> dict[str, str]:
     """The environment the engine starts under: in-process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, the sync is a
     function call on the trainer's tensors) or vLLM's own engine process (`=1`)."""
-    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if vcfg.engine_process else "0"}
+    env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1" if vcfg.engine_process else "0",
+           # the run's logging.engine_logs when a run set it (covrl.settings.quiet), else its default, quiet:
+           # vLLM's warnings about a tokenizer-less engine and rotary layers without weights are expected here
+           "VLLM_LOGGING_LEVEL": os.environ.get("VLLM_LOGGING_LEVEL", "ERROR")}
     if not torch.cuda.is_available():
         env["VLLM_CPU_KVCACHE_SPACE"] = str(vcfg.kv_cache_gib)
         if vcfg.engine_process:
@@ -325,13 +338,16 @@ def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int,
         env.pop("VLLM_ENABLE_V1_MULTIPROCESSING")   # an explicit setting of the caller wins (as before)
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
-    vllm = require("vllm", "vllm")
+    logging.getLogger("vllm").setLevel(env["VLLM_LOGGING_LEVEL"])   # also when vLLM was imported before
+    with engine_warnings("vllm"):
+        vllm = require("vllm", "vllm")
     envs = getattr(vllm, "envs", None)
     if envs is not None and hasattr(envs, "disable_envs_cache"):
         envs.disable_envs_cache()   # an engine started before froze vLLM's env reads; this one has its own
     kwargs = {"model": str(folder), "dtype": dtype, "enforce_eager": vcfg.enforce_eager, "seed": vcfg.seed,
               "logprobs_mode": "processed_logprobs", "skip_tokenizer_init": True,
-              "max_logprobs": max_logprobs, "enable_prefix_caching": vcfg.enable_prefix_caching}
+              "max_logprobs": max_logprobs, "enable_prefix_caching": vcfg.enable_prefix_caching,
+              "use_tqdm_on_load": progress_bars_enabled()}   # no bar in a log file (covrl.settings.quiet)
     if vcfg.enable_chunked_prefill is not None:
         kwargs["enable_chunked_prefill"] = vcfg.enable_chunked_prefill
     if max_model_len is not None:
@@ -352,7 +368,8 @@ def _engine(folder: Path, dtype: str, vcfg: VLLMEngineConfig, max_logprobs: int,
         _check_cpu_head_dim(head_dim)
         t0 = time.perf_counter()
         try:
-            llm = vllm.LLM(**kwargs)
+            with engine_warnings("vllm"):
+                llm = vllm.LLM(**kwargs)
         except Exception as err:
             raise RuntimeError(f"the vLLM engine did not start (model folder {folder}, dtype {dtype}, "
                                f"sampler.vllm options {vcfg.model_dump()}): {type(err).__name__}: {err}") from err

@@ -7,6 +7,7 @@ Imports nothing from covrl, so every layer may use it; `covrl.train.config` bind
 
 from __future__ import annotations
 
+import difflib
 import functools
 import operator
 import re
@@ -167,6 +168,10 @@ def _where(loc: tuple, source: str, lines: dict[tuple, int], overrides: dict[tup
     for n in range(len(keys), 0, -1):
         if keys[:n] in lines:
             return f"{source}:{lines[keys[:n]]}"
+    # a key that only overrides created (a misspelt section in `optm.lr=1e-5`): the override that wrote below it
+    below = [text for path, text in overrides.items() if path[:len(keys)] == keys]
+    if keys and below:
+        return f"override {below[0]!r}"
     return source
 
 
@@ -188,7 +193,9 @@ def format_validation_error(err: ValidationError, *, source: str = "<config>",
             parent = _model_at(root, loc[:-1])
             allowed = ", ".join(parent.model_fields) if parent is not None else "?"
             section = ".".join(str(p) for p in loc[:-1]) or "top level"
-            out.append(f"{where}: {field}: unknown key in {section}; allowed keys: {allowed}")
+            close = difflib.get_close_matches(str(loc[-1]), list(parent.model_fields), n=1) if parent and loc else []
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            out.append(f"{where}: {field}: unknown key in {section}; allowed keys: {allowed}{hint}")
         else:
             msg = e["msg"]
             if msg.startswith("Value error, "):

@@ -13,25 +13,30 @@ from collections.abc import Callable, Iterator
 
 from covrl.tasks.base import Example, cycle_epochs
 from covrl.tasks.config import TaskConfig
-from covrl.tasks.task import Task
+from covrl.tasks.task import Task, held_out_count
 
 ENUMERATE_LIMIT = 200_000
 
 
 def split_train_eval(enumerate_space: Callable[[], Iterator[Example]] | None, space_size: int,
-                     sample: Callable[[random.Random], Example], n_train: int, n_eval: int,
-                     seed: int) -> tuple[list[Example], list[Example]]:
-    """(train, eval): `n_eval` distinct eval examples, and `n_train` train examples whose prompts are not in
-    eval. An enumerable space is shuffled; train then cycles through the rest in reshuffled epochs."""
-    rng = random.Random(seed)
+                     sample: Callable[[random.Random], Example], cfg: TaskConfig) -> tuple[list[Example], list[Example]]:
+    """(train, eval): distinct eval examples (how many: `held_out_count`; task.eval_fraction takes its share of an
+    enumerated space), and `task.n_train` train examples whose prompts are not in eval. An enumerable space is
+    shuffled; train then cycles through the rest in reshuffled epochs."""
+    n_train = cfg.n_train
+    rng = random.Random(cfg.seed)
     if enumerate_space is not None and space_size <= ENUMERATE_LIMIT:
         space = list(enumerate_space())
         rng.shuffle(space)
+        n_eval = held_out_count(cfg, len(space))
         if n_eval >= len(space):
-            raise ValueError(f"task.n_eval={n_eval} leaves no training problems: the problem space has only "
-                             f"{len(space)} distinct problems; lower n_eval or widen the task")
+            setting = f"task.n_eval={n_eval}" if cfg.eval_fraction is None else \
+                f"task.eval_fraction={cfg.eval_fraction} ({n_eval} problems)"
+            raise ValueError(f"{setting} leaves no training problems: the problem space has only "
+                             f"{len(space)} distinct problems; hold out fewer or widen the task")
         eval_set, pool = space[:n_eval], space[n_eval:]
         return cycle_epochs(pool, n_train, rng), eval_set
+    n_eval = held_out_count(cfg, None)
     eval_set, seen = [], set()
     for _ in range(50 * n_eval + 100):
         if len(eval_set) >= n_eval:
@@ -98,7 +103,7 @@ def build_arithmetic(cfg: TaskConfig) -> Task:
                 return ex
 
     size = (high - low + 1) ** a.num_terms * len(ops_list) ** (a.num_terms - 1)
-    train, eval_set = split_train_eval(enumerate_space, size, sample, cfg.n_train, cfg.n_eval, cfg.seed)
+    train, eval_set = split_train_eval(enumerate_space, size, sample, cfg)
     return Task(cfg, train, eval_set, default_reward="last_number", default_grader="last_number")
 
 
@@ -122,7 +127,7 @@ def build_count_letters(cfg: TaskConfig) -> Task:
                        answer=str(word.count(letter)),
                        meta={"plain_prompt": f"count {letter} {word}=", "word": word, "letter": letter})
 
-    train, eval_set = split_train_eval(None, 0, sample, cfg.n_train, cfg.n_eval, cfg.seed)
+    train, eval_set = split_train_eval(None, 0, sample, cfg)
     return Task(cfg, train, eval_set, default_reward="last_number", default_grader="last_number")
 
 
@@ -135,7 +140,7 @@ def build_sort_letters(cfg: TaskConfig) -> Task:
                               "Answer with just the sorted letters.",
                        answer="".join(sorted(word)), meta={"plain_prompt": f"sort {word}=", "word": word})
 
-    train, eval_set = split_train_eval(None, 0, sample, cfg.n_train, cfg.n_eval, cfg.seed)
+    train, eval_set = split_train_eval(None, 0, sample, cfg)
     return Task(cfg, train, eval_set, default_reward="exact_match", default_grader="exact_match")
 
 
@@ -182,5 +187,5 @@ def build_fib_chain(cfg: TaskConfig) -> Task:
         return fib_chain_example(rng.randrange(c.modulus), rng.randrange(c.modulus), rng.choice(counts), c.modulus)
 
     size = c.modulus ** 2 * len(counts)
-    train, eval_set = split_train_eval(enumerate_space, size, sample, cfg.n_train, cfg.n_eval, cfg.seed)
+    train, eval_set = split_train_eval(enumerate_space, size, sample, cfg)
     return Task(cfg, train, eval_set, default_reward="final_answer", default_grader="final_answer")

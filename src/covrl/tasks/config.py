@@ -343,7 +343,8 @@ class TaskConfig(Section):
     overlong_reward: OverlongRewardConfig = Field(default_factory=OverlongRewardConfig,
                                                   description="soft overlong punishment added to the reward")
     path: str | None = Field(None, description="data file/folder for jsonl / hf_dataset tasks")
-    eval_path: str | None = Field(None, description="separate eval file/folder (else n_eval rows split off)")
+    eval_path: str | None = Field(None, description="separate eval file/folder (else rows split off: "
+                                                        "task.n_eval / task.eval_fraction)")
     prompt_field: str = Field("prompt", min_length=1, description="record field holding the prompt")
     answer_field: str = Field("answer", min_length=1, description="record field holding the reference answer")
     split: str = Field("train", description="split to read from an hf_dataset folder")
@@ -362,7 +363,12 @@ class TaskConfig(Section):
     grader: str = Field("auto", description="reward registry name whose value >= 1 means correct "
                         "(accuracy); auto = the task's natural grader (math_verify when task.reward=math_verify)")
     n_train: int = Field(1000, ge=1, le=10_000_000, description="training examples (drawn from the train pool)")
-    n_eval: int = Field(50, ge=0, le=1_000_000, description="held-out eval examples, disjoint from train")
+    n_eval: int | None = Field(None, ge=0, le=1_000_000, description="held-out eval examples, disjoint from train "
+                               "(a count); None: task.eval_fraction's rule")
+    eval_fraction: float | None = Field(None, gt=0, lt=1, description="share of a data file's rows (jsonl, "
+                                        "hf_dataset) or of an enumerable arithmetic space held out for eval; None "
+                                        "with n_eval None: 0.2 of a data file's rows, at most 50, and 50 generated "
+                                        "problems; set n_eval or eval_fraction, not both")
     seed: int = Field(0, ge=0, description="seed of problem generation and of the train/eval split")
     chat_template: bool = Field(True, description="wrap prompts in the tokenizer's chat template; false = "
                                 "plain prompts (e.g. '7+5=') for models without one")
@@ -403,6 +409,13 @@ class TaskConfig(Section):
         names = [t.log_name for t in self.rewards]
         if len(set(names)) != len(names):
             raise ValueError(f"task.rewards: term names must be distinct (set `name`); got {names}")
+        return self
+
+    @model_validator(mode="after")
+    def _one_eval_size(self):
+        if self.n_eval is not None and self.eval_fraction is not None:
+            raise ValueError(f"task.n_eval={self.n_eval} and task.eval_fraction={self.eval_fraction}: set one of "
+                             "them (a count or a share of the rows), not both")
         return self
 
     @model_validator(mode="after")

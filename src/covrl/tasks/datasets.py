@@ -11,7 +11,7 @@ from pathlib import Path
 from covrl.tasks.base import Example, cycle_epochs
 from covrl.tasks.config import TaskConfig
 from covrl.tasks.rewards import _as_number
-from covrl.tasks.task import Task
+from covrl.tasks.task import DEFAULT_N_EVAL, Task, held_out_count
 
 
 class DatasetError(ValueError):
@@ -96,12 +96,20 @@ def _task_from_records(cfg: TaskConfig, rows: list[Example], eval_rows: list[Exa
     if eval_rows is None:
         rows = rows[:]
         rng.shuffle(rows)
-        if cfg.n_eval >= len(rows):
-            raise DatasetError(f"{cfg.path}: task.n_eval={cfg.n_eval} leaves no training rows out of "
-                               f"{len(rows)}; lower n_eval or give task.eval_path")
-        eval_rows, rows = rows[: cfg.n_eval], rows[cfg.n_eval:]
+        n_eval = held_out_count(cfg, len(rows), data_file=True)
+        if n_eval >= len(rows):
+            setting = (f"task.n_eval={cfg.n_eval}" if cfg.n_eval is not None else
+                       f"task.eval_fraction={cfg.eval_fraction} ({n_eval} rows)" if cfg.eval_fraction is not None
+                       else f"holding out {n_eval} row (the default of task.n_eval / task.eval_fraction)")
+            raise DatasetError(f"{cfg.path}: {setting} leaves no training rows out of {len(rows)}; hold out "
+                               "fewer rows or give task.eval_path")
+        eval_rows, rows = rows[:n_eval], rows[n_eval:]
     else:
-        eval_rows = eval_rows[: cfg.n_eval]
+        if cfg.eval_fraction is not None:
+            raise DatasetError(f"task.eval_fraction={cfg.eval_fraction} splits task.path's rows, but "
+                               f"task.eval_path={cfg.eval_path} gives the held-out rows: set task.n_eval (how many "
+                               "of its rows to use) or neither")
+        eval_rows = eval_rows[: cfg.n_eval if cfg.n_eval is not None else DEFAULT_N_EVAL]
     held_out = {e.prompt for e in eval_rows}
     pool = [e for e in rows if e.prompt not in held_out]
     if not pool:
@@ -113,7 +121,8 @@ def _task_from_records(cfg: TaskConfig, rows: list[Example], eval_rows: list[Exa
 
 
 def build_jsonl(cfg: TaskConfig) -> Task:
-    """Train pool from `path`; eval from `eval_path` or `n_eval` rows split off (seeded). Numeric answers
+    """Train pool from `path`; eval from `eval_path` or rows split off (seeded; how many: `held_out_count`:
+    task.n_eval, task.eval_fraction, or by default 20% of the rows, at most 50). Numeric answers
     are graded by last_number, others by exact_match (unless reward/grader say otherwise)."""
     rows = read_jsonl(cfg.path, cfg)
     eval_rows = read_jsonl(cfg.eval_path, cfg) if cfg.eval_path else None

@@ -215,7 +215,7 @@ def build_environment(task: Task, cfg: EnvironmentConfig) -> EnvFactory:
     if ":" not in cfg.name:
         raise ValueError(f"task.env.name={cfg.name!r}; allowed: {sorted(ENVIRONMENTS)} or a user class "
                          "'module:Class' / 'file.py:Class'")
-    cls = load_user_reward(cfg.name)
+    cls = load_user_reward(cfg.name, field="task.env.name", kind="class")
     if hasattr(cls, "step"):
         takes_task = len(inspect.signature(cls).parameters) > 0
         return lambda: cls(task) if takes_task else cls()

@@ -16,7 +16,7 @@ import random
 from covrl.tasks.base import Example, cycle_epochs
 from covrl.tasks.config import TaskConfig
 from covrl.tasks.graders import reasoning_gym
-from covrl.tasks.task import Task
+from covrl.tasks.task import Task, held_out_count
 
 
 def reasoning_gym_examples(cfg: TaskConfig) -> tuple[list[Example], list[Example]]:
@@ -24,8 +24,9 @@ def reasoning_gym_examples(cfg: TaskConfig) -> tuple[list[Example], list[Example
     rcfg = cfg.reasoning_gym
     rg = reasoning_gym()
     size = rcfg.size or cfg.n_train
+    n_eval = held_out_count(cfg, None)   # task.n_eval, else the default count
     try:
-        data = rg.create_dataset(rcfg.dataset, seed=cfg.seed, size=cfg.n_eval + size, **rcfg.options)
+        data = rg.create_dataset(rcfg.dataset, seed=cfg.seed, size=n_eval + size, **rcfg.options)
     except (ValueError, TypeError, AssertionError) as err:   # unknown name or option, or an option out of range
         raise ValueError(f"task.reasoning_gym: cannot create dataset {rcfg.dataset!r} with options "
                          f"{rcfg.options}: {type(err).__name__}: {err}") from None
@@ -37,9 +38,9 @@ def reasoning_gym_examples(cfg: TaskConfig) -> tuple[list[Example], list[Example
                        meta={"rg_dataset": rcfg.dataset, "rg_options": options_json, "rg_entry": entry,
                              "rg_index": i})
 
-    eval_set = [example(i) for i in range(cfg.n_eval)]
+    eval_set = [example(i) for i in range(n_eval)]
     held_out = {e.prompt for e in eval_set}
-    pool = [ex for ex in (example(i) for i in range(cfg.n_eval, cfg.n_eval + size)) if ex.prompt not in held_out]
+    pool = [ex for ex in (example(i) for i in range(n_eval, n_eval + size)) if ex.prompt not in held_out]
     if not pool:
         raise ValueError(f"task.reasoning_gym: every training problem of {rcfg.dataset!r} also occurs in the "
                          "eval set; raise task.reasoning_gym.size or widen the dataset's options")

@@ -27,6 +27,7 @@ Built-in rewards are trusted and called directly.
 
 from __future__ import annotations
 
+import difflib
 import hashlib
 import importlib
 import importlib.util
@@ -40,6 +41,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+from covrl.settings import ConfigError
 from covrl.tasks.base import Example
 from covrl.tasks.failures import FailureWatch, UserCodeError, format_error
 from covrl.tasks.graders import math_verify_reward, reasoning_gym_reward
@@ -151,29 +153,62 @@ class RewardFunctionError(UserCodeError):
     """A reward function failed too often (or once, with task.reward_errors=raise)."""
 
 
-def load_user_reward(spec: str) -> RewardFn:
+def load_user_reward(spec: str, field: str = "task.reward_fn", kind: str = "function") -> RewardFn:
     """The function named by `spec`: "package.module:function" (imported) or "path/to/file.py:function"
-    (the file is executed as a module). Only what the user names is loaded; strings are never evaluated."""
+    (the file is executed as a module). Only what the user names is loaded; strings are never evaluated.
+    A spec that does not resolve is a ConfigError naming `field`, the file or module, and what it does define
+    (`kind`: what the spec names, for that message)."""
+    where = f"{field}={spec!r}"
     target, sep, name = spec.rpartition(":")
     if not sep or not target or not name:
-        raise ValueError(f"task.reward_fn={spec!r}: expected 'module:function' or 'path/to/file.py:function'")
+        raise ConfigError(f"{where}: expected 'module:function' or 'path/to/file.py:function'")
     if target.endswith(".py") or "/" in target or "\\" in target:
         path = Path(target).expanduser()
         if not path.is_file():
-            raise FileNotFoundError(f"task.reward_fn={spec!r}: file {path.resolve()} does not exist")
+            raise FileNotFoundError(f"{where}: file {path.resolve()} does not exist")
         mod_name = "covrl_user_reward_" + hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:12]
         module_spec = importlib.util.spec_from_file_location(mod_name, path)
         module = importlib.util.module_from_spec(module_spec)
-        module_spec.loader.exec_module(module)
+        try:
+            module_spec.loader.exec_module(module)
+        except Exception as err:   # the user's file fails as it is imported: say where in it
+            raise ConfigError(f"{where}: importing {path} failed at {_user_line(err, path)}: "
+                              f"{type(err).__name__}: {err}") from err
+        source = f"file {path}"
     else:
         try:
             module = importlib.import_module(target)
         except ImportError as err:
-            raise ImportError(f"task.reward_fn={spec!r}: cannot import module {target!r}: {err}") from err
+            missing = getattr(err, "name", None)
+            if missing and (target == missing or target.startswith(missing + ".")):
+                raise ConfigError(f"{where}: no module named {target!r} (not installed, not on PYTHONPATH; a file "
+                                  "is named as path/to/file.py:function)") from err
+            raise ConfigError(f"{where}: importing module {target!r} failed: {type(err).__name__}: {err}") from err
+        source = f"module {target}"
     fn = getattr(module, name, None)
     if fn is None or not callable(fn):
-        raise AttributeError(f"task.reward_fn={spec!r}: {target} has no callable named {name!r}")
+        defined = _defined_callables(module)
+        close = difflib.get_close_matches(name, defined, n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        what = f"defines no {kind}" if fn is None else "has no callable"
+        raise ConfigError(f"{where}: {source} {what} {name!r}; it defines: "
+                          f"{', '.join(defined) or '(no functions or classes)'}{hint}")
     return fn
+
+
+def _defined_callables(module) -> list[str]:
+    """The public functions and classes a user module defines itself (not the ones it imports)."""
+    public = {k: v for k, v in vars(module).items() if not k.startswith("_") and callable(v)}
+    own = [k for k, v in public.items() if getattr(v, "__module__", None) == module.__name__]
+    return own or list(getattr(module, "__all__", None) or public)   # a package that re-exports its functions
+
+
+def _user_line(err: BaseException, path: Path) -> str:
+    """`file:line` of the innermost frame of `err` in the user's file (a SyntaxError's own line), else the file."""
+    if isinstance(err, SyntaxError) and err.lineno:
+        return f"{path}:{err.lineno}"
+    frames = [f for f in traceback.extract_tb(err.__traceback__) if Path(f.filename).resolve() == path.resolve()]
+    return f"{path}:{frames[-1].lineno}" if frames else str(path)
 
 
 def resolve_reward(name: str) -> RewardFn:

@@ -21,11 +21,42 @@ class PromptTooLongError(ValueError):
     pass
 
 
+DEFAULT_N_EVAL = 50            # held-out problems of a generated task (and the most a data file gives by default)
+DEFAULT_EVAL_FRACTION = 0.2    # the share of a data file's rows held out when neither n_eval nor eval_fraction is set
+
+
+def held_out_count(cfg: TaskConfig, total: int | None, *, data_file: bool = False) -> int:
+    """How many examples a task's split holds out, the one rule for every source: `task.n_eval` when set;
+    `task.eval_fraction` of `total` (the size of a finite problem set: a data file's rows, an enumerated space)
+    when set; else DEFAULT_EVAL_FRACTION of a data file's rows, at most DEFAULT_N_EVAL (a small file keeps most
+    of its rows for training, a large one holds out the same 50 as always), and DEFAULT_N_EVAL generated
+    problems. `total` None: the source's size is not known in advance (problems are drawn without end)."""
+    if cfg.n_eval is not None:
+        return cfg.n_eval
+    if cfg.eval_fraction is not None:
+        if total is None:
+            raise ValueError(f"task.eval_fraction={cfg.eval_fraction} needs a finite problem set to take a share "
+                             f"of; task.name={cfg.name} draws its problems without a fixed total: set task.n_eval "
+                             "(a count) instead")
+        return max(1, round(cfg.eval_fraction * total))
+    if data_file and total is not None:
+        return min(DEFAULT_N_EVAL, max(1, round(DEFAULT_EVAL_FRACTION * total)))
+    return DEFAULT_N_EVAL
+
+
+def prompt_key(cfg: TaskConfig, example: Example) -> str:
+    """The text that identifies a prompt as the model sees it (the plain prompt when the chat template is off)."""
+    return example.prompt if cfg.chat_template else example.plain_prompt
+
+
 class Task:
     """A verifiable task.
 
     name           registry name
-    train, eval    lists of Example (eval is held out: no eval prompt occurs in train)
+    train, eval    lists of Example (eval is held out: the sources keep eval prompts out of train where they can)
+    eval_repeats   held-out examples whose prompt also occurs in train (counted here, for every source: a
+                   taskset that repeats its prompts cannot be split cleanly, and its held-out accuracy then
+                   partly measures memorised prompts)
     encode         prompt token ids (chat template or plain format; overlong prompts per `cfg.overlong`)
     encode_answer  demonstration token ids (answer text + EOS) for supervised warm-up
     score          rewards (the optimised signal) and correctness (the grader) for completions
@@ -37,6 +68,8 @@ class Task:
         self.cfg = cfg
         self.train = train
         self.eval = eval
+        trained = {prompt_key(cfg, e) for e in train}
+        self.eval_repeats = sum(1 for e in eval if prompt_key(cfg, e) in trained)
         self.reward_name = cfg.reward_fn or (default_reward if cfg.reward == "auto" else cfg.reward)
         auto_grader = "math_verify" if cfg.reward == "math_verify" else default_grader
         self.grader_name = auto_grader if cfg.grader == "auto" else cfg.grader
@@ -77,6 +110,20 @@ class Task:
                             signature=signature, answer_field=cfg.answer_field,
                             max_consecutive_errors=cfg.max_consecutive_reward_errors,
                             error_window=cfg.reward_error_window, max_error_rate=cfg.max_reward_error_rate)
+
+    def split_info(self) -> dict[str, int]:
+        """The train/eval split in numbers (a run's summary.json `task`)."""
+        return {"train_examples": len(self.train), "train_prompts": len({prompt_key(self.cfg, e) for e in self.train}),
+                "eval_prompts": len(self.eval), "eval_repeats_train": self.eval_repeats}
+
+    def repeats_warning(self) -> str | None:
+        """The start-of-run warning when held-out prompts also occur in training (None when none do)."""
+        if not self.eval_repeats:
+            return None
+        return (f"{self.eval_repeats} of the {len(self.eval)} held-out prompts of task {self.name!r} also occur among "
+                "its training prompts: held-out accuracy partly measures prompts the run trains on (the data "
+                "repeats its prompts; give distinct held-out prompts, e.g. task.eval_path, to measure "
+                "generalisation)")
 
     def __repr__(self) -> str:
         return (f"Task({self.name!r}, train={len(self.train)}, eval={len(self.eval)}, "

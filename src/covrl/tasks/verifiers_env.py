@@ -41,7 +41,7 @@ from covrl._lazy import require
 from covrl.tasks.base import Example, cycle_epochs
 from covrl.tasks.config import TaskConfig
 from covrl.tasks.failures import FailureWatch
-from covrl.tasks.task import Task
+from covrl.tasks.task import Task, held_out_count
 
 __all__ = ["VerifiersEnvironment", "build_verifiers"]
 
@@ -62,6 +62,51 @@ def _import_path(taskset: str) -> str:
             os.environ["PYTHONPATH"] = os.pathsep.join([parent, *[q for q in paths if q]])
         return path.resolve().name
     return taskset
+
+
+# what an environment written for verifiers before 0.4 looks like, and what covrl loads instead (0.4's verifiers.v1)
+OLD_API = "load_environment(), vf.SingleTurnEnv / vf.MultiTurnEnv / vf.ToolEnv, vf.Rubric"
+NEW_API = ("`import verifiers.v1 as vf`; a vf.Taskset subclass whose load() yields vf.Task objects (the prompt and "
+           "answer in a vf.TaskData), the rubric's functions as @vf.reward methods of the Task, the Taskset (and a "
+           "vf.Env subclass for multi-turn play) exported in the package's __all__")
+
+
+def _old_api_error(taskset: str) -> ValueError:
+    return ValueError(f"task.verifiers.taskset={taskset!r}: this environment uses the verifiers API before 0.4 "
+                      f"({OLD_API}), which covrl does not load. Port it to verifiers 0.4: {NEW_API} "
+                      "(docs/environments.md, 'Porting an environment from verifiers before 0.4')")
+
+
+def _about_old_verifiers(err: BaseException) -> bool:
+    """Whether an import of the taskset failed on a name of verifiers before 0.4: 0.4's top-level `verifiers`
+    package holds nothing but its version (the API is `verifiers.v1`)."""
+    if isinstance(err, AttributeError):
+        return getattr(getattr(err, "obj", None), "__name__", None) == "verifiers"
+    name = (getattr(err, "name", None) or "") if isinstance(err, ImportError) else ""
+    return name == "verifiers" or (name.startswith("verifiers.") and not name.startswith("verifiers.v1"))
+
+
+def _check_taskset(taskset_id: str, taskset: str, vf) -> None:
+    """Import the taskset as verifiers will; an environment written for verifiers before 0.4, or one that fails
+    to import, is a ValueError naming task.verifiers.taskset (verifiers' loader would report 'defines no
+    __all__' for the first, and raise the second bare)."""
+    from verifiers.v1.utils.loaders import import_taskset
+
+    try:
+        module = import_taskset(taskset_id)
+    except Exception as err:
+        chain = [err, *([err.__cause__] if err.__cause__ is not None else [])]   # verifiers' "not found" wraps it
+        if any(_about_old_verifiers(e) for e in chain):
+            raise _old_api_error(taskset) from err
+        inner = chain[-1]
+        module = taskset_id.rsplit("/", 1)[-1].split("@", 1)[0].replace("-", "_").lower()   # as verifiers names it
+        if isinstance(inner, ImportError) and inner.name not in (None, module, f"verifiers.v1.tasksets.{module}"):
+            err = inner   # the taskset was found; a module it imports was not
+        raise ValueError(f"task.verifiers.taskset={taskset!r}: {type(err).__name__}: {err}") from err
+    exported = [getattr(module, name, None) for name in getattr(module, "__all__", None) or ()]
+    if hasattr(module, "load_environment") and not any(
+            isinstance(obj, type) and issubclass(obj, vf.Taskset) for obj in exported):
+        raise _old_api_error(taskset)
 
 
 def _prompt_text(data) -> str:
@@ -92,6 +137,7 @@ class VerifiersEnvironment:
         if bindir not in os.environ.get("PATH", "").split(os.pathsep):
             os.environ["PATH"] = bindir + os.pathsep + os.environ.get("PATH", "")
         taskset_id = _import_path(cfg.taskset)
+        _check_taskset(taskset_id, cfg.taskset, vf)
         env_cls = environment_class(taskset_id, cfg.env_options.get("id", ""))
         agent = {"harness": {"id": cfg.harness, **cfg.harness_options}, "runtime": dict(cfg.runtime)}
         data = {"taskset": {"id": taskset_id, **cfg.options}, **cfg.env_options,
@@ -222,11 +268,12 @@ def build_verifiers(cfg: TaskConfig) -> Task:
                       "each episode)", stacklevel=2)
     env = VerifiersEnvironment(cfg)
     size = cfg.verifiers.pool_size or cfg.n_train
-    found = env.examples(cfg.n_eval + size)
-    eval_set, pool = found[:cfg.n_eval], found[cfg.n_eval:]
+    n_eval = held_out_count(cfg, None)   # task.n_eval, else the default count
+    found = env.examples(n_eval + size)
+    eval_set, pool = found[:n_eval], found[n_eval:]
     if not pool:
         raise ValueError(f"task.verifiers: taskset {cfg.verifiers.taskset!r} has {len(found)} tasks, none left "
-                         f"for training after task.n_eval={cfg.n_eval}")
+                         f"for training after task.n_eval={n_eval}")
     train = cycle_epochs(pool, cfg.n_train, random.Random(cfg.seed))
     task = Task(cfg, train, eval_set, default_reward="exact_match", default_grader="exact_match")
     task.environment = env

@@ -63,7 +63,9 @@ class RunConfig(Section):
     num_threads: int | Literal["auto"] | None = Field(
         "auto", description="torch CPU threads: a count, 'auto' (the cores left free by the load average, shared "
                             "among local trainer ranks; covrl.train.run.threads) or null (torch's default: one per "
-                            "core); results depend on it")
+                            "core); results depend on it. A count (or auto's) also caps the processes the run "
+                            "starts (OMP/MKL/tokenizers threads of the vLLM engine process, environment servers "
+                            "and harnesses; sampler processes and Ray actors use async_loop.sampler_threads)")
     save_initial: bool = Field(False, description="save the weights at the start of RL in checkpoints/initial/")
     stall_warning_s: float = Field(300.0, ge=0, description="print what the run waits for when one phase of a step "
                                    "(rollouts, training, weight push, evaluation, checkpoint) lasts this long, and "
@@ -216,7 +218,13 @@ class EvalConfig(Section):
 class CheckpointConfig(Section):
     every_rollouts: int = Field(0, ge=0, description="save a checkpoint every this many rollouts (0: only at end)")
     at_end: bool = Field(True, description="save a checkpoint when the run ends")
-    keep_last: int = Field(2, ge=1, description="complete checkpoints kept (older ones are deleted)")
+    keep_last: int = Field(1, ge=1, description="complete checkpoints kept (older ones are deleted); 1 keeps what "
+                           "--resume needs, 2 or more also an older one to fall back on when the newest is damaged")
+    final: Literal["full", "weights"] = Field(
+        "full", description="the checkpoint of a completed run: full (weights + optimizer state: --resume can train "
+                            "it further) or weights (checkpoints/final/ without the optimizer state, which AdamW makes "
+                            "twice the weights' size; the run's other checkpoints are deleted and it cannot be "
+                            "resumed for more steps)")
 
 
 class SFTWarmupConfig(Section):
@@ -228,7 +236,16 @@ class SFTWarmupConfig(Section):
 
 class LoggingConfig(Section):
     console: bool = Field(True, description="print progress and the key metrics to the console")
-    progress_bar: bool = Field(True, description="rich live progress bar on a terminal (else one line per step)")
+    progress_bar: bool = Field(True, description="rich live progress bar on a terminal (else plain step lines, "
+                               "see plain_every_s)")
+    plain_every_s: float = Field(
+        10.0, ge=0, description="plain step lines (no terminal: a pipe, a file, CI, a notebook; or progress_bar "
+        "off): the first and the last step, and between them at most one line per this many seconds, the newest "
+        "step's; 0 = every step")
+    engine_logs: Literal["quiet", "info", "debug"] = Field(
+        "quiet", description="what vLLM, Ray, transformers, huggingface_hub, datasets and torch.distributed log "
+        "themselves: quiet = their errors only, info / debug = that level (covrl.settings.quiet); their progress "
+        "bars are drawn only when stdout is a terminal")
     tensorboard: bool = Field(False, description="write TensorBoard scalars (extra: tensorboard)")
     wandb: bool = Field(False, description="log to Weights & Biases (extra: wandb)")
     wandb_project: str = Field("covrl", description="wandb project name")

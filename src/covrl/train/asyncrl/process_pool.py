@@ -24,6 +24,7 @@ import torch
 
 from covrl.models import load_model
 from covrl.rollout import build_sampler
+from covrl.settings.quiet import apply_engine_logs
 from covrl.tasks import build_task
 from covrl.train.asyncrl.pools import (
     AsyncState,
@@ -32,6 +33,7 @@ from covrl.train.asyncrl.pools import (
     floor_probe,
     generate_chunk,
 )
+from covrl.train.run.threads import limit_process_threads, sampler_thread_count, thread_env
 
 __all__ = ["DispatchPool", "ProcessPool", "SamplerWorker", "own_weights", "sampler_seed"]
 
@@ -51,8 +53,9 @@ class SamplerWorker:
     """One generation worker (a Ray actor or a local process)."""
 
     def __init__(self, cfg, rank: int):
-        acfg = cfg.async_loop
-        torch.set_num_threads(acfg.sampler_threads or max(1, int(acfg.sampler_cpus)))
+        # before the model and the engine: their thread pools and log levels are fixed when they start
+        limit_process_threads(sampler_thread_count(cfg.async_loop))
+        apply_engine_logs(cfg.logging.engine_logs)
         self.cfg = cfg
         self.rank = rank
         model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)
@@ -310,9 +313,6 @@ def _process_main(cfg, rank: int, inbox, outbox) -> None:
             outbox.put(("error", call, traceback.format_exc(), exc))
 
 
-_THREAD_ENV = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS")
-
-
 class ProcessPool(DispatchPool):
     """`async_loop.num_samplers` local worker processes (spawned; each with its own torch thread budget,
     `async_loop.sampler_threads`). Weights and rollouts travel through multiprocessing queues as torch.save
@@ -329,7 +329,7 @@ class ProcessPool(DispatchPool):
         self.outbox = self.ctx.Queue()
         self.inboxes = [self.ctx.Queue() for _ in range(n)]
         self.cfg = state.run.cfg   # pickled into each spawned process
-        self.threads = str(state.acfg.sampler_threads or max(1, int(state.acfg.sampler_cpus)))
+        self.env = thread_env(sampler_thread_count(state.acfg))
         self.procs = [self._spawn(r) for r in range(n)]
         self._results: dict[Any, dict] = {}
         self._failed: set[Any] = set()     # calls whose generation raised: no result will come
@@ -351,8 +351,8 @@ class ProcessPool(DispatchPool):
         there: the thread variables are set in the environment it inherits (as Ray does for its workers)."""
         proc = self.ctx.Process(target=_process_main, args=(self.cfg, rank, self.inboxes[rank], self.outbox),
                                 daemon=True, name=f"covrl-sampler-{rank}")
-        saved = {k: os.environ.get(k) for k in _THREAD_ENV}
-        os.environ.update({k: self.threads for k in _THREAD_ENV})
+        saved = {k: os.environ.get(k) for k in self.env}
+        os.environ.update(self.env)
         try:
             proc.start()
         finally:

@@ -28,9 +28,11 @@ from typing import Any
 import torch
 
 from covrl._lazy import require
+from covrl.settings.quiet import apply_engine_logs, engine_log_env, engine_log_level
 from covrl.train.asyncrl.pools import AsyncState
 from covrl.train.asyncrl.process_pool import DispatchPool, SamplerWorker
 from covrl.train.asyncrl.source import train_async
+from covrl.train.run.threads import sampler_thread_count, thread_env
 
 __all__ = ["RayPool", "SamplerActor", "ensure_ray", "ray_module", "start_sampler_actors", "train_ray"]
 
@@ -40,13 +42,20 @@ def ray_module():
     return require("ray", "ray")
 
 
-def ensure_ray(acfg) -> bool:
+def ensure_ray(acfg, engine_logs: str = "quiet") -> bool:
     """ray.init for the config: join `ray_address` or start a local instance. Returns True when this call
-    started Ray (the caller shuts it down)."""
+    started Ray (the caller shuts it down). `engine_logs` (logging.engine_logs): Ray's own log level here, and
+    the engines' levels in every Ray worker of this job (their variables in its runtime environment, so a
+    cluster's workers get them too). The actors' output still reaches this process (`log_to_driver`): the
+    trainer actor's progress lines and every error are printed there."""
     ray = ray_module()
     if ray.is_initialized():
         return False
-    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True}
+    apply_engine_logs(engine_logs)
+    kwargs: dict[str, Any] = {"include_dashboard": False, "log_to_driver": True,
+                              "logging_level": engine_log_level(engine_logs),
+                              # an actor's output is never a terminal: no progress bars there
+                              "runtime_env": {"env_vars": engine_log_env(engine_logs, bars=False)}}
     # ray.init replaces the SIGTERM handler with its own `sys.exit(15)`: a SystemExit that no stop path of the
     # run handles (the driver aborted with SIGABRT, its summary left "running"). Keep the one that was there.
     main = threading.current_thread() is threading.main_thread()
@@ -123,7 +132,10 @@ def new_sampler_actor(cfg, rank: int):
     """Start sampler actor `rank` for `cfg` (not waiting for it to be up)."""
     acfg = cfg.async_loop
     actor_cls = ray_module().remote(SamplerActor)
-    return actor_cls.options(num_cpus=acfg.sampler_cpus, num_gpus=acfg.sampler_gpus).remote(cfg, rank)
+    # its thread pools are sized when its process starts (Ray would set OMP_NUM_THREADS alone, from num_cpus)
+    env = {**engine_log_env(cfg.logging.engine_logs, bars=False), **thread_env(sampler_thread_count(acfg))}
+    return actor_cls.options(num_cpus=acfg.sampler_cpus, num_gpus=acfg.sampler_gpus,
+                             runtime_env={"env_vars": env}).remote(cfg, rank)
 
 
 def train_ray(run, *, stop_after: int | None = None, actors: list | None = None) -> dict[str, Any]:

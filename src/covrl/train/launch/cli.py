@@ -26,6 +26,7 @@ def _print_err(text: str) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    from covrl.settings import user_error
     from covrl.train.config import ConfigError, load_config
     from covrl.train.launch.modes import train_from_config
 
@@ -52,8 +53,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(config_path, overrides)
     except ConfigError as err:
-        _print_err(str(err))
-        return 2
+        return user_error("covrl train", err)
     if args.no_progress:
         cfg.logging.progress_bar = False
     return train_from_config(cfg, config_path=config_path, resume=args.resume)

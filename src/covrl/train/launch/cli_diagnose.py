@@ -48,13 +48,15 @@ def _fail(text: str) -> int:
 
 
 def run(args: argparse.Namespace) -> int:
+    from covrl.settings import user_error
+
     if args.k < 1 or args.samples < 1 or args.max_new_tokens < 1 or not (0 < args.top_frac <= 1):
         return _fail("--k, --samples and --max-new-tokens must be >= 1 and --top-frac in (0, 1]")
     try:
         before, after, out = _resolve(args)
         (m0, tok0), (m1, tok1) = _before_model(args, before), _model(after)
-    except ValueError as err:
-        return _fail(str(err))
+    except (ValueError, FileNotFoundError) as err:   # not a run or model folder, weights that do not match
+        return user_error("covrl diagnose", err)
     import torch
 
     from covrl.diagnostics.report import update_report, write_figure
@@ -65,7 +67,7 @@ def run(args: argparse.Namespace) -> int:
         report = update_report(m0, m1, tokenizer, args, before=str(before), after=str(after),
                                tokenizer_from=tokenizer_from)
     except ValueError as err:
-        return _fail(str(err))
+        return user_error("covrl diagnose", err)
     out.mkdir(parents=True, exist_ok=True)
     (out / "diagnose.json").write_text(json.dumps(report, indent=2))
     write_figure(report, out / "diagnose.png")
@@ -95,8 +97,8 @@ def _resolve(args) -> tuple[Path | str, Path, Path]:
         if not (root / "config.yaml").is_file():
             raise ValueError(f"{root} is not a covrl run folder (no config.yaml)")
         ckpts = sorted((p for p in (root / "checkpoints").glob("ckpt-*") if (p / "COMPLETE").is_file()),
-                       key=lambda p: p.name)
-        if not ckpts:
+                       key=lambda p: p.name) or [p for p in [root / "checkpoints" / "final"] if (p / "COMPLETE").is_file()]
+        if not ckpts:   # (checkpoints/final: the weights a run keeps with checkpoint.final=weights)
             raise ValueError(f"no complete checkpoint (checkpoints/ckpt-*/COMPLETE) in {root}: the run saves one "
                              "at the end with checkpoint.at_end=true")
         initial = root / "checkpoints" / "initial" / "model"
@@ -110,6 +112,9 @@ def _resolve(args) -> tuple[Path | str, Path, Path]:
 
 
 def _model(folder: Path):
+    if not (folder / "config.json").is_file():
+        raise ValueError(f"{folder} is not a transformers model folder (no config.json); give the folders a model "
+                         "was saved to (save_pretrained), or --run a covrl run folder")
     from covrl.models import load_pretrained
 
     model, tokenizer = load_pretrained(folder)

@@ -34,9 +34,9 @@ def _locate(args) -> tuple[Path | None, Path | None, bool]:
         run_dir = Path(args.run)
         if not run_dir.is_dir():
             raise FileNotFoundError(f"--run {run_dir}: no such folder")
-        from covrl.train.run.checkpoint import MODEL_DIR, latest_checkpoint
+        from covrl.train.run.checkpoint import MODEL_DIR, final_weights, latest_checkpoint
 
-        latest = latest_checkpoint(run_dir)
+        latest = latest_checkpoint(run_dir) or final_weights(run_dir)   # final: checkpoint.final=weights
         if latest is None:
             raise FileNotFoundError(f"--run {run_dir}: no complete checkpoint under {run_dir}/checkpoints")
         return (Path(args.config) if args.config else run_dir / "config.yaml"), latest / MODEL_DIR, False
@@ -51,12 +51,13 @@ def _locate(args) -> tuple[Path | None, Path | None, bool]:
 
 
 def run(args: argparse.Namespace) -> int:
+    from covrl.settings import user_error
     from covrl.train.config import ConfigError, load_config
 
     try:
         config_path, weights, plain_hf = _locate(args)
     except FileNotFoundError as err:
-        return _err(str(err))
+        return user_error("covrl eval", err)
     overrides = list(args.overrides)
     if args.task:
         overrides.append(f"task.name={args.task}")
@@ -67,11 +68,12 @@ def run(args: argparse.Namespace) -> int:
     try:
         cfg = load_config(config_path, overrides)
     except ConfigError as err:
-        return _err(str(err))
+        return user_error("covrl eval", err)
 
+    from covrl._lazy import MissingExtraError
     from covrl.models import ModelNotFoundError, load_model
     from covrl.rollout import build_sampler
-    from covrl.tasks import build_task
+    from covrl.tasks import UserCodeError, build_task
     from covrl.train.run.checkpoint import CheckpointError, load_model_weights
     from covrl.train.run.evaluate import evaluate
     from covrl.train.run.folder import resolve_device, seed_everything
@@ -85,12 +87,14 @@ def run(args: argparse.Namespace) -> int:
             load_model_weights(model, weights)
         model.to(resolve_device(cfg.run.device))
         task = build_task(cfg.task)
-    except (ModelNotFoundError, CheckpointError, ValueError) as err:
-        return _err(str(err))
-    sampler = build_sampler(cfg.sampler, model, tokenizer)
-    examples = task.eval[: cfg.eval.max_prompts] if cfg.eval.max_prompts else task.eval
-    result = evaluate(sampler, task, tokenizer, examples, seed=cfg.run.seed + 17, greedy=True,
-                      sampled=not args.no_sampled)
+        sampler = build_sampler(cfg.sampler, model, tokenizer)
+        examples = task.eval[: cfg.eval.max_prompts] if cfg.eval.max_prompts else task.eval
+        result = evaluate(sampler, task, tokenizer, examples, seed=cfg.run.seed + 17, greedy=True,
+                          sampled=not args.no_sampled)
+    # a missing model, file or extra, a bad name or value, a reward function that keeps failing
+    except (ModelNotFoundError, CheckpointError, ValueError, FileNotFoundError, MissingExtraError,
+            UserCodeError) as err:
+        return user_error("covrl eval", err)
     result["weights"] = str(weights)
     result["task"] = cfg.task.name
     st = result["settings"]

@@ -1,7 +1,8 @@
 """How a training run ends, for every loop mode and launcher: `run_training` prepares a run, trains it and maps
 every way it can end to an exit code and a final summary.json status (the exit table below).
 
-    0 ok · 1 unexpected error (traceback kept) · 2 bad input · 3 diverged · 4 checkpoint write failed (disk full)
+    0 ok · 1 unexpected error (traceback kept) · 2 bad input (one message; its traceback too with `covrl --debug`
+    or COVRL_DEBUG=1) · 3 diverged · 4 checkpoint write failed (disk full)
     5 a sampler worker died past its restart budget, or the vLLM engine's own process died · 6 another rank of
     a distributed run died (set by covrl.train.launch.ranks), or the Ray trainer actor died (covrl.train.launch.ray)
     · 7 the weight-sync alarm fired (sync_alarm.mode=raise) · 130 interrupted (Ctrl-C) · 143 terminated (SIGTERM)
@@ -9,23 +10,27 @@ every way it can end to an exit code and a final summary.json status (the exit t
 
 from __future__ import annotations
 
+import json
 import signal
 import sys
 import threading
 from contextlib import contextmanager
 from pathlib import Path
 
+from covrl._lazy import MissingExtraError
 from covrl.models import ModelNotFoundError
 from covrl.rollout.vllm import VLLMEngineDiedError
+from covrl.settings import debug_enabled
 from covrl.tasks import PromptTooLongError, UserCodeError
 from covrl.train.asyncrl.pools import SamplerWorkerError
 from covrl.train.run.alarm import SyncAlarmError
 from covrl.train.run.checkpoint import CheckpointError
-from covrl.train.run.folder import choose_run_dir, mark_summary
+from covrl.train.run.folder import RunComplete, choose_run_dir, mark_summary, storage_lines
 from covrl.train.run.sources import DynamicSamplingError
 from covrl.train.step.trainer import TrainingDivergedError
 
-__all__ = ["Terminated", "is_sigterm", "print_err", "run_training", "sigterm_as_interrupt"]
+__all__ = ["Terminated", "is_sigterm", "leave_summary_to_driver", "print_err", "print_summary_of", "run_training",
+           "sigterm_as_interrupt"]
 
 
 def print_err(text: str) -> None:
@@ -72,14 +77,19 @@ def run_training(cfg, prepare_fn, train_fn, *, config_path=None, resume: bool = 
     before = _read_text(run_dir / "summary.json")
     try:
         run_state = prepare_fn(cfg, config_path=config_path, resume=resume, run_dir=run_dir)
+    except RunComplete as done:   # --resume of a run that did all its steps: say so, touch nothing
+        print(done)
+        return 0
     except (Exception, KeyboardInterrupt) as err:
         code, status, text = _outcome(err, run_dir.name, setup=True)
         if _read_text(run_dir / "summary.json") != before:   # this attempt wrote into the folder before failing
             mark_summary(run_dir, status, reason=_reason(err), exit_code=1 if code is None else code)
-        if code is None:
+        if code is None or (code == 2 and debug_enabled()):
             raise
         if code in (130, 143) and not (run_dir / "config.yaml").is_file():
             text = "interrupted (before the run folder was written)"
+        if code == 2 and _about_output_dir(err, Path(cfg.run.output_dir)):
+            text = f"run.output_dir={str(cfg.run.output_dir)!r}: cannot write the run folder {run_dir} ({err})"
         print_err(text)
         return code
     note = (f" (resumed from {run_state.resumed_from})" if run_state.resumed_from else
@@ -93,14 +103,44 @@ def run_training(cfg, prepare_fn, train_fn, *, config_path=None, resume: bool = 
         if status == "diverged":   # the loop counted and logged the step that raised
             reason = f"step {run_state.step}: {reason}"
         run_state.end(status, reason=reason, exit_code=1 if code is None else code)
-        if code is None:
+        if code is None or (code == 2 and debug_enabled()):
             raise
         print_err(text)
         return code
     finally:
         run_state.close()
-    print_summary(summary)
+    if _summary_here:
+        print_summary(summary)
     return 0
+
+
+# A Ray trainer actor's last lines can be lost when the driver shuts Ray down, so there the driver prints the
+# final summary from summary.json (print_summary_of) and the actor does not.
+_summary_here = True
+
+
+def leave_summary_to_driver() -> None:
+    global _summary_here
+    _summary_here = False
+
+
+def print_summary_of(run_dir: Path) -> None:
+    """The final summary of a run that ended elsewhere (a Ray trainer actor), read from its summary.json."""
+    try:
+        summary = json.loads((Path(run_dir) / "summary.json").read_text())
+    except (OSError, ValueError):   # the run folder is on another node
+        print(f"done; results: {run_dir} (on the trainer's node)")
+        return
+    print_summary(summary)
+
+
+def _about_output_dir(err: BaseException, output_dir: Path) -> bool:
+    """Whether `err` is an OSError on run.output_dir, a folder above it or one inside it (the run folder)."""
+    name = getattr(err, "filename", None) if isinstance(err, OSError) else None
+    if not name:
+        return False
+    path, out = Path(name).absolute(), output_dir.absolute()
+    return path == out or out in path.parents or path in out.parents
 
 
 def _read_text(path: Path) -> str | None:
@@ -134,7 +174,9 @@ def _outcome(err: BaseException, name: str, *, setup: bool) -> tuple[int | None,
         return 5, "failed", f"{err}\nstopped; resume with: {again}"   # past the worker restart budget
     if isinstance(err, VLLMEngineDiedError):   # sampler.vllm.engine_process: the sampler's engine is gone
         return 5, "failed", f"{err}\nstopped; resume with: {again}"
-    if setup and isinstance(err, (ModelNotFoundError, FileNotFoundError, ValueError, CheckpointError)):
+    # before training: a missing file or model, a bad value or name, an extra that is not installed
+    if setup and isinstance(err, (ModelNotFoundError, FileNotFoundError, ValueError, CheckpointError,
+                                  MissingExtraError, PermissionError, NotADirectoryError)):
         return 2, "failed", str(err)
     if isinstance(err, (PromptTooLongError, UserCodeError, DynamicSamplingError, CheckpointError)):  # mid-run
         return (4 if isinstance(err, CheckpointError) else 2), "failed", f"{err}\nstopped; fix the cause, then: {again}"
@@ -152,6 +194,8 @@ def print_summary(summary: dict) -> None:
             print(f"  held-out accuracy {label.split('_')[1]:>6}: {accs}  ({st['n_prompts']} prompts, "
                   f"max_new_tokens {st['max_new_tokens']}, sampled at T={st['temperature']})")
     print(f"  results: {summary['run_dir']}/summary.json, metrics.jsonl, eval.json, curves.png")
+    for line in storage_lines(summary):   # where the checkpoint is, how big, and the run folder's disk use
+        print(line)
 
 
 def _bad_input_behind(err: BaseException) -> BaseException | None:

@@ -12,9 +12,9 @@ covrl.train.launch.ray) (docs/distributed.md).
 
 from __future__ import annotations
 
-import sys
 from collections.abc import Callable
 
+from covrl.settings import user_error
 from covrl.train.asyncrl.source import prepare_async_run, train_async
 from covrl.train.launch.exits import run_training, sigterm_as_interrupt
 from covrl.train.launch.ranks import train_distributed
@@ -46,6 +46,5 @@ def train_from_config(cfg, *, config_path=None, resume: bool = False) -> int:
             try:
                 return train_distributed(cfg, prepare_fn, train_fn, config_path=config_path, resume=resume)
             except RendezvousError as err:   # before any run folder exists: the message is the whole story
-                print(f"error: {err}", file=sys.stderr, flush=True)
-                return 2
+                return user_error("covrl train", err)
         return run_training(cfg, prepare_fn, train_fn, config_path=config_path, resume=resume)

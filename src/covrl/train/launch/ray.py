@@ -16,14 +16,23 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import sys
 import threading
 from pathlib import Path
 
+from covrl.settings import debug_enabled, user_error
 from covrl.train.asyncrl.ray_pool import ensure_ray, ray_module, train_ray
 from covrl.train.asyncrl.source import prepare_async_run
 from covrl.train.config import TrainConfig
-from covrl.train.launch.exits import is_sigterm, print_err, run_training, sigterm_as_interrupt
+from covrl.train.launch.exits import (
+    is_sigterm,
+    leave_summary_to_driver,
+    print_err,
+    print_summary_of,
+    run_training,
+    sigterm_as_interrupt,
+)
 from covrl.train.launch.ranks import PEER_DIED, train_distributed
 from covrl.train.parallel.wrappers import free_port
 from covrl.train.run.folder import choose_run_dir, mark_summary
@@ -64,6 +73,7 @@ class TrainerActor:
         if self.cfg.trainer.parallel != "none":   # as torchrun sets it: run.num_threads=auto shares the node
             os.environ["LOCAL_WORLD_SIZE"] = str(local_world)
         apply_num_threads(self.cfg)
+        leave_summary_to_driver()
         try:
             with sigterm_as_interrupt():   # Ray's worker would exit at a SIGTERM; a local run stops cleanly (143)
                 return self._train(master)
@@ -237,6 +247,31 @@ def _watch_local_head(ray, run_dir: Path) -> threading.Event | None:
     return stop
 
 
+RAY_CONNECT_TIMEOUT_S = 5.0   # a cluster's head answers a TCP connect at once; Ray itself would retry for minutes
+
+
+def _check_ray_address(address: str | None) -> None:
+    """A ConnectionError at once when nothing listens at a `host:port` (or `ray://host:port`) address: ray.init
+    would retry the connection for minutes before failing. `auto` is Ray's own quick lookup; None, `local`:
+    covrl starts a local instance."""
+    if not address or address in ("auto", "local"):
+        return
+    host, sep, port = address.removeprefix("ray://").rpartition(":")
+    if not sep or not port.isdigit():
+        return   # a form Ray resolves itself
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=RAY_CONNECT_TIMEOUT_S).close()
+    except OSError as err:
+        raise ConnectionError(f"nothing answers at {host}:{port} ({err.strerror or err})") from err
+
+
+def _no_cluster(address: str, err: BaseException) -> str:
+    first = (str(err).strip().splitlines() or [type(err).__name__])[0]
+    return (f"async_loop.ray_address={address!r}: no Ray cluster found at that address ({first}). Start one with "
+            "`ray start --head` (then async_loop.ray_address=auto on the same machine, or the address it prints), "
+            "or remove async_loop.ray_address to let covrl start a local Ray instance for the run")
+
+
 def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int:
     """`covrl train` with loop.mode=ray: join or start Ray, then the trainer side (covrl.train.launch.exits.run_training,
     with the same exit codes and final summary.json statuses as the local loops) in this process or, with
@@ -245,10 +280,15 @@ def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int
     try:
         ray = ray_module()
     except ImportError as err:
-        print_err(str(err))
-        return 2
+        return user_error("covrl train", err)
     acfg = cfg.async_loop
-    started = ensure_ray(acfg)
+    try:
+        _check_ray_address(acfg.ray_address)
+        started = ensure_ray(acfg, cfg.logging.engine_logs)
+    except ConnectionError as err:   # nothing answers at async_loop.ray_address
+        if debug_enabled():
+            raise
+        return user_error("covrl train", _no_cluster(acfg.ray_address, err))
     head_watch = None
     try:
         shortfall = resource_shortfall(cfg, ray.cluster_resources())
@@ -259,7 +299,10 @@ def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int
         if started:
             head_watch = _watch_local_head(ray, run_dir)
         if cfg.trainer.parallel != "none":
-            return _train_group(ray, cfg, None if config_path is None else str(config_path), resume, run_dir)
+            code = _train_group(ray, cfg, None if config_path is None else str(config_path), resume, run_dir)
+            if code == 0:
+                print_summary_of(run_dir)
+            return code
         if acfg.trainer_actor:
             actor = ray.remote(TrainerActor).options(num_cpus=acfg.trainer_cpus, num_gpus=acfg.trainer_gpus).remote(
                 cfg.model_dump(mode="json"), None if config_path is None else str(config_path), resume)
@@ -267,7 +310,10 @@ def train_from_config_ray(cfg, *, config_path=None, resume: bool = False) -> int
             try:
                 place = ray.get(actor.process.remote())
                 call = actor.train.remote()
-                return ray.get(call)
+                code = ray.get(call)
+                if code == 0:
+                    print_summary_of(run_dir)
+                return code
             except KeyboardInterrupt as err:
                 if call is None or not is_sigterm(err):
                     raise

@@ -9,7 +9,9 @@ a kill at any moment leaves either no new checkpoint or a complete one (the prev
 complete checkpoint that does not load (damaged later: truncated weights or state) is skipped by resume for the
 newest one that does (`newest_loadable`) and renamed `corrupt-ckpt-...` (`set_aside`).
 `trainer_state.pt` holds only tensors, numbers, strings, lists and dicts and is read with
-`torch.load(..., weights_only=True)`."""
+`torch.load(..., weights_only=True)`. With `checkpoint.final=weights` a completed run ends with its weights alone in
+`checkpoints/final/{model/, COMPLETE}` (not a `ckpt-*`: never listed, never resumed) and no `ckpt-*` left.
+Retention: `checkpoint.keep_last` newest complete `ckpt-*` (`prune_checkpoints`)."""
 
 from __future__ import annotations
 
@@ -34,6 +36,7 @@ COMPLETE = "COMPLETE"
 STATE_FILE = "trainer_state.pt"
 MODEL_DIR = "model"
 PREFIX = "ckpt-"
+FINAL = "final"   # checkpoint.final=weights: a completed run's weights alone, checkpoints/final/ (never resumed)
 
 
 class CheckpointError(RuntimeError):
@@ -275,11 +278,47 @@ def load_state(path: Path) -> dict[str, Any]:
     return state
 
 
+def marker(path: Path) -> dict[str, Any]:
+    """The COMPLETE marker of a checkpoint (name, time, step, rollouts, ...); {} when unreadable."""
+    try:
+        data = json.loads((Path(path) / COMPLETE).read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
+
+
+def final_weights(run_dir: Path) -> Path | None:
+    """checkpoints/final/ of a run that ended with checkpoint.final=weights (complete), else None."""
+    path = Path(run_dir) / "checkpoints" / FINAL
+    return path if (path / COMPLETE).is_file() and (path / MODEL_DIR).is_dir() else None
+
+
+def folder_bytes(path: Path) -> int:
+    """Bytes of the files under `path` (links not followed; files that vanish meanwhile are skipped)."""
+    total = 0
+    for root, _, files in os.walk(path):
+        for name in files:
+            try:
+                total += os.lstat(os.path.join(root, name)).st_size
+            except OSError:
+                pass
+    return total
+
+
+def format_bytes(n: float) -> str:
+    """1234567 -> '1.2 MB' (decimal units, as `du -h --si` and file managers show them)."""
+    for unit in ("B", "kB", "MB", "GB"):
+        if abs(n) < 1000 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1000
+    return f"{n:.1f} GB"
+
+
 def prune_checkpoints(run_dir: Path, keep_last: int) -> list[Path]:
-    """Delete complete checkpoints beyond the newest `keep_last`, and leftover temporary folders."""
+    """Delete complete checkpoints beyond the newest `keep_last` (0: all of them)."""
     removed = []
     ckpts = list_checkpoints(run_dir)
-    for p in ckpts[:-keep_last] if keep_last > 0 else []:
+    for p in ckpts[:-keep_last] if keep_last > 0 else ckpts:
         shutil.rmtree(p, ignore_errors=True)
         removed.append(p)
     return removed

@@ -62,7 +62,8 @@ def _warn_cut_answers(run: Run, record: dict[str, Any]) -> None:
 def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) -> dict[str, Any]:
     """Train until `loop.steps` steps are done (or `stop_after` more steps: an interruption point for tests),
     with rollouts from `source`. Evaluates before (fresh runs) and after; checkpoints every
-    `checkpoint.every_rollouts` and at the end. Returns the summary."""
+    `checkpoint.every_rollouts` and at the end (a completed run's weights only with checkpoint.final=weights).
+    Returns the summary."""
     cfg, trainer = run.cfg, run.trainer
     lcfg = cfg.loop
     watchdog = ProgressWatchdog(cfg.run.stall_warning_s, lambda text: run.message(text, warning=True),
@@ -141,7 +142,10 @@ def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) 
         run.status = "completed"
     else:
         run.status = "stopped"
-    if cfg.checkpoint.at_end and trainer.rollouts != run.last_ckpt_rollouts:
+    if cfg.checkpoint.at_end and run.status == "completed" and cfg.checkpoint.final == "weights":
+        watchdog.beat("writing the final weights")   # and deleting the full checkpoints: nothing to resume
+        run.save_final_weights()
+    elif cfg.checkpoint.at_end and trainer.rollouts != run.last_ckpt_rollouts:
         watchdog.beat("writing the final checkpoint")
         run.save_checkpoint()
     watchdog.stop()

@@ -3,8 +3,10 @@ task / sampler / trainer, resume from the latest complete checkpoint, evaluation
 data clock, metric sinks and the end-of-run summary.
 
 Run folder `runs/<name>/`: config.yaml (resolved), metrics.jsonl (one line per step), eval.json,
-summary.json (status, timings, evals, versions, git commit), curves.png, checkpoints/ckpt-<rollouts:09d>/
-and checkpoints/initial/ (when run.save_initial or a KL reference is needed).
+summary.json (status, timings, evals, versions, git commit, the task's split, the checkpoint left and the
+folder's disk use), curves.png, checkpoints/ckpt-<rollouts:09d>/ (the newest `checkpoint.keep_last`),
+checkpoints/final/ (checkpoint.final=weights) and checkpoints/initial/ (when run.save_initial or a KL reference
+is needed).
 
 summary.json says "running" from the start of the setup until the run ends; every exit of `covrl train`
 replaces it with a final status ("completed", "diverged", "failed", "interrupted") and, for a failure, the
@@ -31,6 +33,7 @@ from covrl.rollout import SamplerConfig, build_sampler, truncation_rule
 from covrl.rollout.vllm import build_vllm_sampler
 from covrl.settings import dump_config
 from covrl.tasks import build_task
+from covrl.train.parallel.wrappers import DCP_DIR
 from covrl.train.run import checkpoint as ckpt
 from covrl.train.run.alarm import SyncAlarm
 from covrl.train.run.evaluate import evaluate
@@ -77,19 +80,81 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def _requested_run_dir(cfg: TrainConfig, config_path: str | Path | None) -> Path:
+    """runs/<name>: run.name, else the config file's stem."""
+    return Path(cfg.run.output_dir) / (cfg.run.name or (Path(config_path).stem if config_path else "run"))
+
+
+def _used(folder: Path) -> bool:
+    return folder.is_dir() and any(folder.iterdir())
+
+
 def choose_run_dir(cfg: TrainConfig, *, config_path: str | Path | None, resume: bool) -> Path:
     """runs/<name>: run.name, else the config file's stem. A fresh run never writes into a used folder: it
-    takes the first free `<name>-2`, `<name>-3`, ..."""
-    name = cfg.run.name or (Path(config_path).stem if config_path else "run")
-    root = Path(cfg.run.output_dir)
-    run_dir = root / name
+    takes the first free `<name>-2`, `<name>-3`, ... (`prepare_run` says so)."""
+    run_dir = requested = _requested_run_dir(cfg, config_path)
     if resume:
         return run_dir
     k = 2
     while run_dir.exists() and any(run_dir.iterdir()):
-        run_dir = root / f"{name}-{k}"
+        run_dir = requested.with_name(f"{requested.name}-{k}")
         k += 1
     return run_dir
+
+
+def taken_name_note(cfg: TrainConfig, run_dir: Path, *, config_path: str | Path | None = None) -> str | None:
+    """The line that announces a fresh run's folder when its name was taken (`choose_run_dir` moved on to
+    `<name>-k`), None otherwise."""
+    requested = _requested_run_dir(cfg, config_path)
+    run_dir = Path(run_dir)
+    if run_dir == requested or run_dir.parent != requested.parent or not _used(requested) \
+            or not run_dir.name.startswith(f"{requested.name}-"):
+        return None
+    return (f"{requested} exists; this run writes {run_dir} (use --resume to continue {requested}, or pick "
+            "another --name)")
+
+
+class RunComplete(Exception):
+    """`--resume` of a run that already did every step asked of it: nothing to train. `covrl train` prints the
+    message (what to do to train further) and exits 0, without loading anything or touching the folder."""
+
+
+def resume_command(run_dir: Path) -> str:
+    """`covrl train --resume --name X` for a run folder (X: the name under runs/, else the folder's path)."""
+    run_dir = Path(run_dir)
+    return f"covrl train --resume --name {run_dir.name if run_dir.parent == Path('runs') else run_dir}"
+
+
+def _check_resume_target(cfg: TrainConfig, run_dir: Path) -> None:
+    """Before anything is loaded: a completed run whose newest checkpoint holds its last step, and that
+    `loop.steps` asks no more of, is complete (RunComplete, exit 0, nothing re-evaluated); a completed run that
+    kept only its final weights (checkpoint.final=weights) cannot train on (CheckpointError naming what to do
+    instead). A newest checkpoint behind the last step (checkpoint.at_end=false) resumes as before, and a run
+    without any checkpoint is left to the fresh-start rule (`_refuse_fresh_start_over`)."""
+    try:
+        summary = json.loads((run_dir / "summary.json").read_text())
+    except (OSError, ValueError):
+        return
+    if not isinstance(summary, dict) or summary.get("status") != "completed" or not isinstance(summary.get("steps"), int):
+        return
+    steps, name = summary["steps"], run_dir.name
+    full = ckpt.list_checkpoints(run_dir)
+    final = ckpt.final_weights(run_dir)
+    weights_only = final is not None and not full
+    start_new = (f"start a new run from them: covrl train --config FILE model.source=hf "
+                 f"model.path={final / ckpt.MODEL_DIR}") if final is not None else ""
+    at_end = ckpt.marker(full[-1]).get("step") == steps if full else weights_only
+    if steps >= cfg.loop.steps and at_end:
+        if weights_only:
+            raise RunComplete(f"run {name} is complete ({steps} steps); it kept its final weights only ({final}, "
+                              f"checkpoint.final=weights), so it cannot train further; to train on, {start_new}")
+        raise RunComplete(f"run {name} is complete ({steps} steps); to train further: {resume_command(run_dir)} "
+                          f"loop.steps={2 * steps}")
+    if weights_only:
+        raise ckpt.CheckpointError(
+            f"--resume: run {name} completed {steps} steps and kept its final weights only ({final}, "
+            f"checkpoint.final=weights): no optimizer state, so it cannot be resumed for loop.steps="
+            f"{cfg.loop.steps}; {start_new}")
 
 
 @dataclass
@@ -200,6 +265,32 @@ class Run:
         self.add_time("checkpoint", time.perf_counter() - t0)
         return path
 
+    def save_final_weights(self) -> Path:
+        """checkpoint.final=weights at the end of a completed run: its weights alone in checkpoints/final/ (no
+        optimizer state), then every `ckpt-*` deleted. What remains serves eval, diagnose and a new run
+        (model.source=hf model.path=.../final/model), not --resume."""
+        t0 = time.perf_counter()
+        path = ckpt.save_checkpoint(self.run_dir, ckpt.FINAL, model=self.model, tokenizer=self.tokenizer, state={},
+                                    with_state=False,
+                                    sharded=self.trainer.save_sharded if self.trainer.sharded else None,
+                                    info={"step": self.step, "rollouts": self.trainer.rollouts,
+                                          "policy_version": self.trainer.version, "weights_only": True})
+        shutil.rmtree(path / DCP_DIR, ignore_errors=True)   # a sharded trainer's optimizer shards: not kept
+        ckpt.prune_checkpoints(self.run_dir, 0)
+        self.last_ckpt_rollouts = self.trainer.rollouts
+        self.add_time("checkpoint", time.perf_counter() - t0)
+        return path
+
+    def saved_checkpoint(self) -> dict[str, Any] | None:
+        """The checkpoint this run leaves (the newest `ckpt-*`, else checkpoints/final/): path, size, kind."""
+        latest = ckpt.latest_checkpoint(self.run_dir)
+        if latest is not None:
+            return {"path": str(latest), "bytes": ckpt.folder_bytes(latest), "kind": "full", "resumable": True}
+        final = ckpt.final_weights(self.run_dir)
+        if final is not None:
+            return {"path": str(final), "bytes": ckpt.folder_bytes(final), "kind": "weights", "resumable": False}
+        return None
+
     def maybe_checkpoint(self) -> None:
         every = self.cfg.checkpoint.every_rollouts
         if every and self.trainer.rollouts // every > self.last_ckpt_rollouts // every:
@@ -252,6 +343,11 @@ class Run:
             "trainer": {"parallel": self.cfg.trainer.parallel,
                         "world_size": dist.get_world_size() if dist.is_initialized() else 1},
             "initial_weights": self.initial_weights,
+            # the held-out split in numbers, with the held-out prompts that also occur in training
+            "task": self.task.split_info() if hasattr(self.task, "split_info") else None,
+            # what the run leaves on disk: its newest checkpoint and the whole folder (checkpoint.keep_last, .final)
+            "checkpoint": self.saved_checkpoint(),
+            "disk_bytes": ckpt.folder_bytes(self.run_dir),
             "config": "config.yaml",
         }
 
@@ -344,6 +440,21 @@ def mark_summary(run_dir: Path, status: str, *, reason: str | None = None, exit_
         print(f"summary.json not updated ({type(err).__name__}: {err})", file=sys.stderr)
 
 
+def storage_lines(summary: dict[str, Any]) -> list[str]:
+    """The end-of-run lines on what a run left on disk: its checkpoint (where, how big, resumable or not) and
+    the whole run folder."""
+    lines = []
+    saved = summary.get("checkpoint")
+    if saved:
+        what = ("weights + optimizer state; --resume continues from it" if saved.get("resumable") else
+                "weights only (checkpoint.final=weights): eval, diagnose, or model.path of a new run")
+        lines.append(f"  checkpoint: {saved['path']} ({ckpt.format_bytes(saved['bytes'])}, {what})")
+    if summary.get("disk_bytes") is not None:
+        lines.append(f"  disk: {summary.get('run_dir')} uses {ckpt.format_bytes(summary['disk_bytes'])} "
+                     "(checkpoint.keep_last, checkpoint.final=weights keep it smaller)")
+    return lines
+
+
 def _read_resume_point(path: Path, model) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
     """Everything `prepare_run` needs from a checkpoint, read and checked before anything is changed (so an
     unloadable one can be skipped for an older one)."""
@@ -370,7 +481,8 @@ def _refuse_fresh_start_over(run_dir: Path) -> None:
 def _build_sinks(cfg: TrainConfig, run_dir: Path, start_step: int, console: bool) -> list:
     sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
     if console and cfg.logging.console:
-        sinks.append(ConsoleSink(cfg.loop.steps, start_step=start_step, live=cfg.logging.progress_bar))
+        sinks.append(ConsoleSink(cfg.loop.steps, start_step=start_step, live=cfg.logging.progress_bar,
+                                 every_s=cfg.logging.plain_every_s))
     if cfg.logging.tensorboard:
         sinks.append(TensorBoardSink(run_dir / "tensorboard"))
     if cfg.logging.wandb:
@@ -479,7 +591,7 @@ def _claim_run_folder(cfg: TrainConfig, run_dir: Path, latest: Path | None, resu
             (run_dir / stale).unlink(missing_ok=True)
         if resume:   # a fresh start in a used folder (nothing to resume): drop the killed attempt's other outputs
             (run_dir / "curves.png").unlink(missing_ok=True)
-            for stale_dir in ("tensorboard", "checkpoints/initial"):
+            for stale_dir in ("tensorboard", "checkpoints/initial", f"checkpoints/{ckpt.FINAL}"):
                 shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
 
 
@@ -519,15 +631,20 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     if resume:
         if not run_dir.is_dir():
             raise FileNotFoundError(f"--resume: run folder {run_dir} does not exist")
+        _check_resume_target(cfg, run_dir)
         ckpt.clean_temporary(run_dir)
         if not ckpt.list_checkpoints(run_dir):
             _refuse_fresh_start_over(run_dir)
+    elif console and (note := taken_name_note(cfg, run_dir, config_path=config_path)):
+        print(note, flush=True)
     threads = apply_num_threads(cfg)
     seed_everything(cfg.run.seed)
     device = resolve_device(cfg.run.device)
 
     # data and model first: bad input fails before a run folder is created
     task = build_task(cfg.task)
+    if (repeats := task.repeats_warning()) is not None:   # every task source: counted once, in Task
+        print(f"warning: {repeats}", file=sys.stderr, flush=True)
     stream = DataStream(task.train, seed=cfg.run.seed)
     t0 = time.perf_counter()
     model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)

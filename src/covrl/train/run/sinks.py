@@ -8,6 +8,7 @@ from __future__ import annotations
 import json
 import math
 import sys
+import time
 from pathlib import Path
 from typing import Any, Protocol
 
@@ -100,12 +101,20 @@ def format_console(record: dict[str, Any], keys=None) -> str:
 
 
 class ConsoleSink:
-    """A rich progress bar with the key metrics on a terminal; one plain line per step otherwise."""
+    """A rich progress bar with the key metrics on a terminal; plain lines otherwise (a pipe, a file, CI, a
+    notebook, or `live=False`): the first step, the last, and between them at most one line per `every_s` seconds
+    (the step that crosses the period; 0: every step). A step not printed when the run ends (stopped early) is
+    printed at `close`, so the last line always shows where the run stopped. Messages are printed at once."""
 
-    def __init__(self, total_steps: int, *, start_step: int = 0, stream=None, live: bool = True):
+    def __init__(self, total_steps: int, *, start_step: int = 0, stream=None, live: bool = True,
+                 every_s: float = 10.0, clock=time.monotonic):
         self.total = total_steps
         self.stream = stream or sys.stdout
         self.live = live and bool(getattr(self.stream, "isatty", lambda: False)())
+        self.every_s = float(every_s)
+        self._clock = clock
+        self._last_print: float | None = None   # when the last step line was printed (None: none yet)
+        self._pending: dict[str, Any] | None = None   # the newest step not printed
         self._progress = None
         if self.live:
             from rich.console import Console
@@ -121,16 +130,36 @@ class ConsoleSink:
         step = int(record.get("step", 0))
         if self._progress is not None:
             self._progress.update(self._task, completed=step, info=format_console(record, LIVE_KEYS))
-        else:
-            print(f"step {step}/{self.total}  {format_console(record)}", file=self.stream, flush=True)
+            return
+        now = self._clock()
+        due = (self._last_print is None or step >= self.total or self.every_s <= 0
+               or now - self._last_print >= self.every_s)
+        if not due:
+            self._pending = record
+            return
+        self._pending = None
+        self._last_print = now
+        self._print_step(record)
+
+    def _print_step(self, record: dict[str, Any]) -> None:
+        print(f"step {int(record.get('step', 0))}/{self.total}  {format_console(record)}", file=self.stream,
+              flush=True)
 
     def message(self, text: str) -> None:
         if self._progress is not None:
             self._progress.console.print(text)
         else:
+            self._flush_pending()   # a message (an evaluation, a warning) follows the step it is about
             print(text, file=self.stream, flush=True)
 
+    def _flush_pending(self) -> None:
+        if self._pending is not None:
+            self._print_step(self._pending)
+            self._pending = None
+            self._last_print = self._clock()
+
     def close(self) -> None:
+        self._flush_pending()
         if self._progress is not None:
             self._progress.stop()
             self._progress = None

@@ -20,6 +20,14 @@ So `auto` gives a process only the cores that look free:
 - `local_processes`: trainer ranks sharing the machine (`LOCAL_WORLD_SIZE`, set by torchrun and, for a Ray
   trainer group, by covrl for the actors on one node).
 
+Processes the run starts: torch's count covers this process only. A child sizes its thread pools from its
+environment when it starts (OpenMP, MKL, OpenBLAS, the tokenizers' Rayon pool), before any code of ours runs
+there, and by default takes one thread per core. So a resolved count is also put into this process's
+environment (`thread_env`), which every process started afterwards inherits: vLLM's engine process, the
+environment servers and harnesses (OpenEnv, verifiers), Ray's local instance. Sampler processes and Ray sampler
+actors get their own budget, `async_loop.sampler_threads` (or `sampler_cpus`), the same way
+(`sampler_thread_count`, `limit_process_threads` in the worker). With `run.num_threads: null` nothing is set.
+
 The load average is read once, at start-up: a load that appears later is not followed (a run keeps one count,
 the one its record names). It includes this process's own recent work, which is
 negligible at start-up. Results depend on the thread count (float summation order), so the run records the
@@ -31,6 +39,8 @@ from __future__ import annotations
 import os
 from dataclasses import asdict, dataclass
 from typing import Any
+
+from covrl.settings.quiet import apply_engine_logs
 
 AUTO = "auto"
 
@@ -99,7 +109,7 @@ def reserved_cores(cfg) -> int:
     its thread count). 0 for in-process samplers (a sampler thread shares the trainer's torch threads) and for
     Ray actors on a cluster joined by address (their node is not known here)."""
     acfg = cfg.async_loop
-    per_sampler = acfg.sampler_threads or max(1, int(acfg.sampler_cpus))
+    per_sampler = sampler_thread_count(acfg)
     mode = cfg.loop.mode
     if mode == "async" and acfg.local_backend == "process" and not acfg.emulate:
         return acfg.num_samplers * per_sampler
@@ -122,12 +132,50 @@ def resolve_num_threads(setting: int | str | None, *, reserved: int = 0) -> Thre
                         cores=cores, cpu_count=cpu_count, load1=load1, reserved=reserved, local_processes=local)
 
 
-def apply_num_threads(cfg) -> ThreadChoice:
-    """Resolve `cfg.run.num_threads` (cfg: a TrainConfig) and set torch's intra-op thread count to it; returns
-    the choice for the run record. The one place a run sets its thread count."""
+# the thread pools of native libraries that a process sizes from its environment when it starts
+THREAD_ENV_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS", "OPENBLAS_NUM_THREADS", "NUMEXPR_NUM_THREADS",
+                   "VECLIB_MAXIMUM_THREADS", "RAYON_NUM_THREADS")
+
+
+def thread_env(threads: int) -> dict[str, str]:
+    """The environment that caps a process started with it at `threads` compute threads: OpenMP (torch's
+    intra-op pool), MKL, OpenBLAS, numexpr, Accelerate, and Rayon (the tokenizers' batch encoding); with one
+    thread the tokenizers' parallelism is off altogether (TOKENIZERS_PARALLELISM=false)."""
+    n = str(int(threads))
+    env = {k: n for k in THREAD_ENV_VARS}
+    if int(threads) == 1:
+        env["TOKENIZERS_PARALLELISM"] = "false"
+    return env
+
+
+def sampler_thread_count(acfg) -> int:
+    """Threads of each sampler process or Ray sampler actor: `async_loop.sampler_threads`, else its CPUs."""
+    return acfg.sampler_threads or max(1, int(acfg.sampler_cpus))
+
+
+def limit_process_threads(threads: int) -> None:
+    """This process computes with `threads` threads, and the processes it starts from now on too: torch's
+    intra-op count, its inter-op count where torch still allows it (only before the first parallel work), and
+    `thread_env` in the environment they inherit."""
     import torch
 
+    os.environ.update(thread_env(threads))
+    if threads != torch.get_num_threads():
+        torch.set_num_threads(threads)
+    if threads != torch.get_num_interop_threads():
+        try:
+            torch.set_num_interop_threads(threads)
+        except RuntimeError:   # set once per process, before any inter-op work: an existing pool stays
+            pass
+
+
+def apply_num_threads(cfg) -> ThreadChoice:
+    """Resolve `cfg.run.num_threads` (cfg: a TrainConfig) and set this process's thread count to it (torch's,
+    and the environment the processes it starts inherit: `limit_process_threads`); returns the choice for the
+    run record. The one place a run sets its thread count. Every entry point that builds a run calls it
+    first, so it also applies the run's `logging.engine_logs` (covrl.settings.quiet)."""
+    apply_engine_logs(cfg.logging.engine_logs)
     choice = resolve_num_threads(cfg.run.num_threads, reserved=reserved_cores(cfg))
-    if choice.threads != torch.get_num_threads():
-        torch.set_num_threads(choice.threads)
+    if choice.setting is not None:
+        limit_process_threads(choice.threads)
     return choice
