@@ -123,7 +123,7 @@ class ScriptedToolUser:
     tool path without a model that has learnt the call format. Its log q is -0.5 per token."""
 
     def __init__(self, tok):
-        from covrl.rollout.sampler import SamplerConfig
+        from covrl.rollout import SamplerConfig
 
         self.tok, self.cfg = tok, SamplerConfig(max_new_tokens=64)
         self.eos_ids, self.pad_id, self.context, self.version = [tok.eos_token_id], 0, 512, 0

@@ -40,7 +40,7 @@ from covrl.config import load_config, load_preset, override_strings
 from covrl.math import CorrectionConfig, aggregate, rollout_correction
 from covrl.models import forward_response, load_model
 from covrl.models.loading import apply_lora  # the adapters load_model adds
-from covrl.rollout.sampler import SamplerConfig, build_sampler, truncation_rule
+from covrl.rollout import SamplerConfig, build_sampler, truncation_rule
 from covrl.rollout.types import ScoredBatch
 from covrl.tasks import build_task
 from covrl.train import (

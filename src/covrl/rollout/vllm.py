@@ -91,6 +91,7 @@ from pydantic import Field
 from covrl._lazy import require
 from covrl.models.loading import PEFT_PREFIX, lora_merge_plan, merge_lora_state_dict, pad_and_stop_ids
 from covrl.rollout.prompts import check_prompts
+from covrl.rollout.registry import register_sampler
 from covrl.rollout.types import TOPK_LOGPROB_FLOOR, RolloutBatch, RolloutTiming
 from covrl.settings import Section
 from covrl.settings.quiet import engine_warnings, progress_bars_enabled
@@ -756,6 +757,7 @@ class VLLMSampler:
             sampler_topk_ids=topk_ids, sampler_topk_logprobs=topk_lp, timing=timing)
 
 
+@register_sampler("vllm")
 def build_vllm_sampler(cfg, model, tokenizer, *, role: str = "policy") -> VLLMSampler:
     if not vllm_available():
         require("vllm", "vllm")   # raises MissingExtraError naming the extra

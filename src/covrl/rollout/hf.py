@@ -1,6 +1,4 @@
-"""Samplers: turn prompts into `RolloutBatch`es. A registry of backends behind one protocol.
-
-The "hf" backend runs its own decode loop over a transformers causal LM with a KV cache:
+"""The "hf" sampler backend: turns prompts into `RolloutBatch`es. It runs its own decode loop over a transformers causal LM with a KV cache:
 
 - prompts are left-padded (attention mask + position ids = running count of real tokens); each DISTINCT
   prompt is prefilled once and its KV cache repeated for its n samples; only the last position's logits are
@@ -39,92 +37,22 @@ from __future__ import annotations
 
 import copy
 import time
-from collections.abc import Callable
-from typing import Literal, Protocol
 
 import torch
-from pydantic import Field, field_validator, model_validator
 
 from covrl.math.truncation import TruncationRule, kept_mask, truncate_logits
-from covrl.models.compiled import CompileBackend, compile_decode_step, compile_seconds, compiled_graphs
+from covrl.models.compiled import compile_decode_step, compile_seconds, compiled_graphs
 from covrl.models.forward import cache_argument, output_cache, static_cache_from
 from covrl.models.loading import lora_merge_plan, merge_lora_state_dict, pad_and_stop_ids
+from covrl.rollout.config import SamplerConfig, truncation_rule
 from covrl.rollout.prompts import check_prompts
-from covrl.rollout.types import TOPK_LOGPROB_FLOOR, RolloutBatch, RolloutTiming  # noqa: F401 - re-exported
-from covrl.rollout.vllm import VLLM_EXTRA_HINT, VLLMEngineConfig, build_vllm_sampler, vllm_available
-from covrl.settings import Section
+from covrl.rollout.protocol import WeightsRefresh
+from covrl.rollout.registry import register_sampler
+from covrl.rollout.types import TOPK_LOGPROB_FLOOR, RolloutBatch, RolloutTiming
+
+__all__ = ["HFSampler", "build_hf_sampler", "filtered_logprobs", "sample_from_logprobs"]
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-
-
-class SamplerConfig(Section):
-    """How rollouts are generated."""
-
-    backend: str = Field("hf", description="sampler backend registry name: hf (transformers, CPU/GPU), "
-                         "vllm (a vLLM engine in this process or its own, sampler.vllm.engine_process; the vllm extra)")
-    temperature: float = Field(1.0, gt=0.0, le=100.0, description="softmax temperature of the sampler")
-    top_p: float = Field(1.0, gt=0.0, le=1.0, description="nucleus filter: keep the smallest set with mass >= p")
-    top_k: int = Field(0, ge=0, description="keep only the k most likely tokens (0 = off)")
-    min_p: float = Field(0.0, ge=0.0, le=1.0, description="keep the tokens with probability >= min_p x the most "
-                         "likely one's (0 = off)")
-    max_new_tokens: int = Field(24, ge=1, le=65536, description="longest response in tokens")
-    stop_strings: list[str] = Field(default_factory=list, description="a row also ends when its decoded response "
-                                    "contains one of these (the tokens up to it are kept; hf sampler)")
-    stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end a row besides EOS "
-                                      "(kept in the response, as EOS is)")
-    dtype: Literal["float32", "bfloat16", "float16"] | None = Field(
-        None, description="sampler weights dtype; None = the trainer model's dtype")
-    return_topk: int = Field(0, ge=0, le=1024, description="also return the sampler's top-k ids and log-probs "
-                             "per token (score centring); 0 = off")
-    max_batch: int = Field(64, ge=1, description="rows generated together (prompts x n are chunked)")
-    sync_every: int = Field(1, ge=1, description="trainer steps between weight syncs into the sampler")
-    share_weights: Literal["auto", "always", "never"] = Field(
-        "auto", description="use the trainer's module directly (no copy): auto = when dtypes match and "
-        "sync_every == 1; a separate copy is required for staleness (sync_every > 1) or another dtype")
-    vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig,
-                                   description="engine options (sampler.backend=vllm only)")
-    compile: bool = Field(
-        False, description="torch.compile of the hf sampler's decode step over a static KV cache (rows padded "
-                           "to a power of two, cache length to a multiple of sampler.compile_bucket; finished rows "
-                           "stay in the batch); the first batch of each shape pays the compile, reported as "
-                           "timing.compile_s (docs/performance.md). sampler.backend=hf only")
-    compile_backend: CompileBackend = Field(
-        "inductor", description="torch.compile backend with sampler.compile: inductor (kernels; needs a C++ "
-                                "compiler on CPU), aot_eager / eager (capture only, eager kernels: tests, debugging)")
-    compile_bucket: int = Field(64, ge=1, le=65536, description="with sampler.compile, the static cache length "
-                                "(longest prompt + max_new_tokens) is rounded up to a multiple of this, so that "
-                                "prompt lengths in one bucket share a compiled graph")
-
-    @field_validator("backend")
-    @classmethod
-    def _known_backend(cls, v: str) -> str:
-        # checked here so that a bad backend stops the run at config load, naming the file and line
-        if v not in SAMPLER_BACKENDS:
-            raise ValueError(_unknown_backend(v))
-        if v == "vllm" and not vllm_available():   # at config load, not after the model has loaded
-            raise ValueError(VLLM_EXTRA_HINT)
-        return v
-
-    @model_validator(mode="after")
-    def _compile_hf_only(self):
-        if self.compile and self.backend != "hf":
-            raise ValueError(f"sampler.compile=true compiles the hf sampler's decode loop; sampler.backend="
-                             f"{self.backend!r} has its own (set sampler.compile=false)")
-        return self
-
-
-# refresh() -> (weights, version) newer than the sampler's, or None: polled between decode steps
-WeightsRefresh = Callable[[], "tuple[object, int] | None"]
-
-
-class Sampler(Protocol):
-    version: int
-
-    def generate(self, prompts: list[list[int]], n: int, *, generator: torch.Generator,
-                 policy_version: int | None = None, greedy: bool = False,
-                 refresh: WeightsRefresh | None = None) -> RolloutBatch: ...
-
-    def load_weights(self, model_or_state_dict, version: int) -> None: ...
 
 
 def _module_dtype(model) -> torch.dtype:
@@ -138,11 +66,6 @@ def _module_device(model) -> torch.device:
     for p in model.parameters():
         return p.device
     return torch.device("cpu")
-
-
-def truncation_rule(cfg: SamplerConfig) -> TruncationRule:
-    """The sampler's top-k / top-p / min-p as covrl.math's rule (the definition the trainer replays)."""
-    return TruncationRule(top_k=cfg.top_k, top_p=cfg.top_p, min_p=cfg.min_p)
 
 
 def filtered_logprobs(logits: torch.Tensor, temperature: float = 1.0, rule: TruncationRule | None = None
@@ -450,20 +373,6 @@ class HFSampler:
         )
 
 
-def _build_hf(cfg: SamplerConfig, model, tokenizer) -> HFSampler:
+@register_sampler("hf")
+def build_hf_sampler(cfg: SamplerConfig, model, tokenizer) -> HFSampler:
     return HFSampler(cfg, model, tokenizer)
-
-
-# name -> builder(cfg, model, tokenizer) -> Sampler
-SAMPLER_BACKENDS: dict[str, Callable] = {"hf": _build_hf, "vllm": build_vllm_sampler}
-
-
-def _unknown_backend(name: str) -> str:
-    return f"unknown sampler backend {name!r}; allowed: {', '.join(sorted(SAMPLER_BACKENDS))}"
-
-
-def build_sampler(cfg: SamplerConfig, model, tokenizer) -> Sampler:
-    """The sampler backend `cfg.backend` (see SAMPLER_BACKENDS) around `model` / `tokenizer`."""
-    if cfg.backend not in SAMPLER_BACKENDS:  # a config built without validation (model_construct)
-        raise ValueError(f"sampler.backend: {_unknown_backend(cfg.backend)}")
-    return SAMPLER_BACKENDS[cfg.backend](cfg, model, tokenizer)
