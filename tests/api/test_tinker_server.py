@@ -172,7 +172,7 @@ def test_the_server_refuses_bad_requests_by_name(tmp_path):
             tinker.ServiceClient(base_url=server.base_url).create_training_client_from_state(
                 "tinker://nope/weights/x").result()
         r = httpx.post(f"{server.base_url}/api/v1/optim_step", json={"model_id": "nope", "adam_params": {}})
-        assert r.status_code == 400 and "no such training model" in r.json()["detail"]
+        assert r.status_code == 404 and "no such training model" in r.json()["detail"]
         assert httpx.get(f"{server.base_url}/api/v1/billing/usage").status_code == 404
     finally:
         server.close()

@@ -28,6 +28,7 @@ Calls return futures that are already done (`.result()`, `await .result_async()`
 from __future__ import annotations
 
 import contextlib
+import copy
 import json
 import os
 import sys
@@ -795,7 +796,27 @@ class ServiceClient:
         self._training_clients: list[TrainingClient] = []   # newest last: they own the covrl://sampler/ paths
         self._restored: dict[Path, TrainingClient] = {}     # client folder -> a client sampling its snapshots
 
-    def _model_section(self, base_model: str) -> dict[str, Any]:
+    def scoped(self, state_dir: str | Path) -> ServiceClient:
+        """A ServiceClient with this one's config and settings that keeps its clients' folders under `state_dir`
+        and knows only the clients it creates (`covrl serve` gives each tenant one, so no tenant reaches
+        another's clients or snapshots through it)."""
+        other = copy.copy(self)
+        other.state_dir, other._training_clients, other._restored = str(state_dir), [], {}
+        return other
+
+    def forget(self, client: TrainingClient) -> None:
+        """Drop this ServiceClient's reference to `client` (a server releasing an ended session's clients), so
+        its model is freed once no one else holds it."""
+        self._training_clients = [c for c in self._training_clients if c is not client]
+        self._restored = {k: c for k, c in self._restored.items() if c is not client}
+
+    @staticmethod
+    def is_model_folder(base_model: str) -> bool:
+        """Whether `base_model` is read from a local transformers folder rather than a model covrl knows by name."""
+        return ServiceClient._model_section(base_model)["source"] == "hf"
+
+    @staticmethod
+    def _model_section(base_model: str) -> dict[str, Any]:
         if base_model in ("tiny", "smollm2") or "smollm2-135m" in base_model.lower():
             return {"source": "smollm2" if base_model != "tiny" else "tiny", "path": None}
         return {"source": "hf", "path": base_model}
