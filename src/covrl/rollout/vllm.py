@@ -110,8 +110,8 @@ class VLLMEngineConfig(Section):
                                 "(VLLM_CPU_KVCACHE_SPACE; CPU engines only)")
     gpu_memory_utilization: float = Field(0.3, gt=0.0, le=1.0, description="fraction of GPU memory the "
                                           "colocated engine may take (weights + KV cache; GPU engines only)")
-    enforce_eager: bool = Field(True, description="no CUDA graphs / torch.compile (on this CPU compiled mode "
-                                "started in 77 s and was no faster)")
+    enforce_eager: bool = Field(True, description="no CUDA graphs / torch.compile: the engine starts "
+                                "sooner (compiled mode's cost and speed: docs/engines.md)")
     enable_prefix_caching: bool = Field(True, description="reuse the KV of shared prompt prefixes (reset "
                                         "after every weight sync)")
     enable_chunked_prefill: bool | None = Field(None, description="split long prefills across engine steps; "

@@ -257,8 +257,8 @@ class LoggingConfig(Section):
         "except under trainer.parallel=fsdp2, which cannot measure it (docs/distributed.md)")
     noise_scale_every: int = Field(
         1, ge=1, description="measure the noise split (and split a one-micro-batch step in two) on every k-th "
-        "optimizer step only; the other steps log noise/signal alone and run unsplit (the split cost 15-20% of a "
-        "SmolLM2 step at 16-32 rows, docs/performance.md)")
+        "optimizer step only; the other steps log noise/signal alone and run unsplit (what the split costs: "
+        "docs/performance.md)")
 
 
 class TrainConfig(Section):
