@@ -83,8 +83,12 @@ def expand_make(command: str, cwd: Path, env: dict) -> list[str]:
 def checkout(tmp_path_factory) -> Path:
     """The tracked files, as they are in the working tree, committed into a fresh repository."""
     dest = tmp_path_factory.mktemp("readme") / "covrl"
-    files = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    for name in filter(None, files.decode().split("\0")):
+    listed = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True)
+    if listed.returncode != 0:   # not a git checkout (an exported tree): all but the venvs, runs and caches
+        shutil.copytree(ROOT, dest, symlinks=True, ignore=shutil.ignore_patterns(
+            ".venv", ".venv-vllm", "runs", ".git", "__pycache__", ".pytest_cache", ".ruff_cache", ".hypothesis",
+            "*.egg-info"))
+    for name in filter(None, listed.stdout.decode().split("\0") if listed.returncode == 0 else []):
         src = ROOT / name
         if src.is_symlink() or src.is_file():
             (dest / name).parent.mkdir(parents=True, exist_ok=True)

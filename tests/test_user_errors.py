@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -17,6 +18,8 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 TINY = str(REPO / "configs" / "tiny.yaml")
 TIMES_REWARD = str(REPO / "examples" / "times_reward.py")
+# tiny.yaml for another task.name: without its arithmetic options, which another task would refuse
+TINY_OTHER_TASK = re.sub(r"(?m)^  arithmetic:.*\n", "", Path(TINY).read_text())
 # short runs: no warm-up, a few examples, no evaluation or checkpoint (an error must come before any of them)
 FAST = ["sft_warmup.steps=0", "loop.steps=2", "task.n_train=16", "task.n_eval=2", "eval.before=false",
         "eval.after=false", "checkpoint.at_end=false", "loop.prompts_per_step=2", "loop.group_size=2"]
@@ -89,13 +92,13 @@ CASES = {
     # -- data --------------------------------------------------------------------------------------------------
     "jsonl_missing_file": Case(["train", "--config", TINY, "task.name=jsonl", "task.path={tmp}/none.jsonl", *FAST],
                                ["none.jsonl", "does not exist"], slow=True),
-    "jsonl_bad_row": Case(["train", "--config", TINY, "task.name=jsonl", "task.path={tmp}/d.jsonl", *FAST],
+    "jsonl_bad_row": Case(["train", "--config", "{tmp}/t.yaml", "task.name=jsonl", "task.path={tmp}/d.jsonl", *FAST],
                           ["d.jsonl:3", "invalid JSON"],
-                          files={"d.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
+                          files={"t.yaml": TINY_OTHER_TASK, "d.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
                                             '{"prompt": oops}\n'}),
-    "jsonl_missing_answer": Case(["train", "--config", TINY, "task.name=jsonl", "task.path={tmp}/d.jsonl", *FAST],
+    "jsonl_missing_answer": Case(["train", "--config", "{tmp}/t.yaml", "task.name=jsonl", "task.path={tmp}/d.jsonl", *FAST],
                                  ["d.jsonl:2", "missing field 'answer'", "solution"],
-                                 files={"d.jsonl": '{"prompt": "1+1=", "answer": "2"}\n'
+                                 files={"t.yaml": TINY_OTHER_TASK, "d.jsonl": '{"prompt": "1+1=", "answer": "2"}\n'
                                                    '{"prompt": "2+2=", "solution": "4"}\n'}),
     "output_dir_is_a_file": Case(["train", "--config", TINY, "run.output_dir={tmp}/afile", *FAST],
                                  ["run.output_dir", "afile", "Not a directory"], files={"afile": ""}, slow=True),
@@ -133,11 +136,11 @@ CASES = {
                                        ["not a transformers model folder", "config.json"], slow=True),
     "bench_unknown": Case(["bench", "rollot"], ["unknown benchmark 'rollot'", "did you mean 'rollout'"], slow=True),
     # (they import verifiers, ray or reasoning_gym)
-    "old_verifiers_api": Case(["train", "--config", TINY, "task.name=verifiers", "task.verifiers.taskset={tmp}/old_env",
+    "old_verifiers_api": Case(["train", "--config", "{tmp}/t.yaml", "task.name=verifiers", "task.verifiers.taskset={tmp}/old_env",
                                *FAST],
                               ["task.verifiers.taskset", "verifiers API before 0.4", "load_environment",
                                "verifiers.v1", "vf.Taskset", "__all__"],
-                              files={"old_env/__init__.py": OLD_VERIFIERS_ENV}, absent=["defines no `__all__`"]),
+                              files={"t.yaml": TINY_OTHER_TASK, "old_env/__init__.py": OLD_VERIFIERS_ENV}, absent=["defines no `__all__`"]),
     "unknown_reasoning_gym_dataset": Case(["train", "--config", TINY, "task.name=reasoning_gym",
                                            "task.reasoning_gym.dataset=no_such_puzzles", *FAST],
                                           ["task.reasoning_gym", "no_such_puzzles"], slow=True),

@@ -76,7 +76,7 @@ def test_process_death_with_a_full_queue_resumes_bit_exactly(tmp_path, monkeypat
 
 
 def _kill_sampler_thread_at_call(monkeypatch, n: int) -> None:
-    from covrl.rollout import sampler as sampler_module
+    from covrl.rollout import hf as sampler_module
 
     real = sampler_module.HFSampler.generate
     calls = {"n": 0}

@@ -183,7 +183,7 @@ def _nan_after_two_steps(monkeypatch):
 
 
 def _kill_sampler_thread(monkeypatch):
-    from covrl.rollout import sampler as sampler_module
+    from covrl.rollout import hf as sampler_module
 
     monkeypatch.setattr(sampler_module.HFSampler, "generate",
                         _at_call(3, RuntimeError("sampler died (injected)"), sampler_module.HFSampler.generate))

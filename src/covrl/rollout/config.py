@@ -64,6 +64,13 @@ class SamplerConfig(Section):
         return v
 
     @model_validator(mode="after")
+    def _vllm_options_need_vllm(self):
+        if self.backend != "vllm" and self.vllm != VLLMEngineConfig():   # they would be ignored without a word
+            raise ValueError(f"sampler.vllm is read by sampler.backend=vllm only, and the active backend is "
+                             f"sampler.backend={self.backend!r}: remove sampler.vllm or set sampler.backend=vllm")
+        return self
+
+    @model_validator(mode="after")
     def _compile_hf_only(self):
         if self.compile and self.backend != "hf":
             raise ValueError(f"sampler.compile=true compiles the hf sampler's decode loop; sampler.backend="
