@@ -48,13 +48,14 @@ def test_resume_of_a_completed_run_says_so_touches_nothing_and_loop_steps_extend
     before = snapshot(run_dir)
 
     # the run is complete: nothing is loaded or evaluated, nothing in the folder changes, exit 0
+    import covrl.train.run.components as components
     import covrl.train.run.folder as folder
 
     def no_eval(*args, **kwargs):
         raise AssertionError("a complete run was evaluated again")
 
     monkeypatch.setattr(folder, "evaluate", no_eval)
-    monkeypatch.setattr(folder, "load_model", no_eval)
+    monkeypatch.setattr(components, "load_model", no_eval)
     assert main(["train", "--resume", "--name", str(run_dir)]) == 0
     out = capsys.readouterr().out
     assert f"run done is complete (2 steps); to train further: covrl train --resume --name {run_dir} loop.steps=4" \

@@ -22,7 +22,7 @@ from covrl.train.run.driver import run_loop  # noqa: E402
 from covrl.train.run.folder import prepare_run  # noqa: E402
 from covrl.train.run.sinks import read_jsonl  # noqa: E402
 from covrl.train.run.sources import SyncSource, build_sync_source  # noqa: E402
-from covrl.train.step.trainer import Trainer, forward_response  # noqa: E402
+from covrl.train.step.trainer import Trainer, forward_batch  # noqa: E402
 
 torch.set_num_threads(1)
 
@@ -94,7 +94,7 @@ def test_episode_tokens_are_the_samplers_across_turns(tmp_path, echo_env):
     assert torch.all(b.loss_mask <= b.response_mask)
     assert "r1" in tok.decode(b.response_ids[longest][env_tok[longest]].tolist())
     # the trainer's log-probs of the model tokens equal the sampler's (same fp32 weights, same context)
-    fwd = forward_response(run.model, b, 1.0)
+    fwd = forward_batch(run.model, b, 1.0)
     model_tok = b.loss_mask > 0
     assert torch.allclose(fwd.logprobs[model_tok], b.sampler_logprobs[model_tok], atol=1e-4)
 
@@ -158,7 +158,7 @@ def test_score_centring_runs_on_episodes_with_the_model_tokens_top_k(tmp_path, e
     assert torch.all(b.sampler_topk_ids[env_tok] == 0) and torch.all(b.sampler_topk_logprobs[env_tok] == 0)
     # aligned with the tokens: the trainer's log-probs of the sampler's top-k ids are the sampler's, and the
     # top-1 log-prob is at least the drawn token's
-    fwd = forward_response(run.model, b, 1.0, topk_ids=b.sampler_topk_ids)
+    fwd = forward_batch(run.model, b, 1.0, topk_ids=b.sampler_topk_ids)
     assert torch.allclose(fwd.topk_logprobs[model_tok], b.sampler_topk_logprobs[model_tok], atol=1e-4)
     assert torch.all(b.sampler_topk_logprobs[model_tok][:, 0] >= b.sampler_logprobs[model_tok] - 1e-5)
     masks = []

@@ -25,7 +25,7 @@ from covrl.rollout.episodes import generate_episodes, score_episodes  # noqa: E4
 from covrl.tasks import FailureWatch, UserCodeError  # noqa: E402
 from covrl.train.run.driver import train_sync  # noqa: E402
 from covrl.train.run.folder import prepare_run  # noqa: E402
-from covrl.train.step.trainer import forward_response  # noqa: E402
+from covrl.train.step.trainer import forward_batch  # noqa: E402
 
 TOY = Path(__file__).parent / "verifiers_toy"
 pytestmark = pytest.mark.timeout(300)
@@ -53,7 +53,7 @@ def _episodes(run, examples, n, *, greedy=False, seed=0, failures=None):
 
 
 def _logq_matches_the_trainer(run, batch):
-    fwd = forward_response(run.model, batch, float(run.cfg.sampler.temperature), with_stats=False)
+    fwd = forward_batch(run.model, batch, float(run.cfg.sampler.temperature), with_stats=False)
     mask = batch.loss_mask > 0
     assert mask.any()
     assert torch.allclose(fwd.logprobs[mask], batch.sampler_logprobs[mask], atol=2e-4), \

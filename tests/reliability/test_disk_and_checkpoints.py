@@ -169,7 +169,7 @@ def _nan_after_two_steps(monkeypatch):
 
     from covrl.train.step import trainer as trainer_module
 
-    real = trainer_module.forward_response
+    real = trainer_module.forward_batch
     calls = {"n": 0}
 
     def poisoned(*args, **kwargs):
@@ -179,7 +179,7 @@ def _nan_after_two_steps(monkeypatch):
             out.logprobs = out.logprobs * math.nan
         return out
 
-    monkeypatch.setattr(trainer_module, "forward_response", poisoned)
+    monkeypatch.setattr(trainer_module, "forward_batch", poisoned)
 
 
 def _kill_sampler_thread(monkeypatch):
@@ -207,7 +207,7 @@ EXITS = {
 
 @pytest.mark.parametrize("case", list(EXITS))
 def test_every_exit_of_covrl_train_leaves_a_final_summary(tmp_path, monkeypatch, capsys, case):
-    from covrl.train.run import folder as run_module
+    from covrl.train.run import components as run_module
     from covrl.train.run import sources as sources_module
 
     extra, fault, code, status, reason = EXITS[case]

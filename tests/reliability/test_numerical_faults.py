@@ -20,7 +20,7 @@ from covrl.models import tiny_llama
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.run import checkpoint as ckpt
 from covrl.train.step import trainer as trainer_module
-from covrl.train.step.trainer import Trainer, TrainingDivergedError, forward_response
+from covrl.train.step.trainer import Trainer, TrainingDivergedError, forward_batch
 
 VOCAB, GROUPS, N, P, T = 100, 2, 4, 3, 5
 COMBOS = sorted({(a, "covariance") for a in ADVANTAGE_ESTIMATORS} | {("otb", loss) for loss in POLICY_LOSSES}
@@ -54,7 +54,7 @@ def scored_batch(model, seed: int = 0) -> ScoredBatch:
                          group_ids=torch.arange(GROUPS).repeat_interleave(N),
                          policy_version=torch.zeros(rows, dtype=torch.long))
     with torch.no_grad():
-        lp = forward_response(model, batch, 1.0, with_stats=False).logprobs * mask
+        lp = forward_batch(model, batch, 1.0, with_stats=False).logprobs * mask
     return replace(batch, sampler_logprobs=lp).scored(torch.tensor([1.0, 0.0] * (rows // 2)))
 
 
@@ -184,7 +184,7 @@ def test_persistent_nan_in_a_run_stops_with_exit_3_and_a_usable_checkpoint(tmp_p
 
     torch.set_num_threads(1)
     calls = {"n": 0}
-    real_forward = trainer_module.forward_response
+    real_forward = trainer_module.forward_batch
     per_step = 16 // 8  # rows per step / micro-batch size: forward calls per step
 
     def poisoned(*args, **kwargs):
@@ -196,7 +196,7 @@ def test_persistent_nan_in_a_run_stops_with_exit_3_and_a_usable_checkpoint(tmp_p
 
     overrides = tiny_overrides(tmp_path, "nan", "logging.console=false", "sft_warmup.steps=0", "loop.steps=6",
                                "optim.max_bad_steps=3", "logging.diagnostics=false", f"loop.mode={mode}")
-    monkeypatch.setattr(trainer_module, "forward_response", poisoned)
+    monkeypatch.setattr(trainer_module, "forward_batch", poisoned)
     assert train_from_config(load_config(TINY, overrides)) == 3
     monkeypatch.undo()
     err = capsys.readouterr().err

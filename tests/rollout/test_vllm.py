@@ -462,7 +462,7 @@ def test_the_trainer_replays_vllms_kept_sets_to_the_fp32_floor(tiny, cache, over
     (docs/theory.md §12). At equal fp32 weights its token k3 against vLLM's log q is the fp32 floor, while the
     full softmax reports the kept mass as mismatch (ratio mean S_t < 1)."""
     from covrl.math.truncation import TruncationRule
-    from covrl.models.forward import forward_response
+    from covrl.models.forward import forward_tokens
 
     model, tok = tiny
     sampler, cfg = vllm_sampler(model, tok, cache, temperature=1.0, **over)
@@ -473,8 +473,8 @@ def test_the_trainer_replays_vllms_kept_sets_to_the_fp32_floor(tiny, cache, over
     k3, ratio = {}, {}
     for replay in (True, False):
         with torch.no_grad():
-            fwd = forward_response(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                   batch.response_mask, 1.0, with_stats=False, truncation=rule, replay=replay)
+            fwd = forward_tokens(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
+                                 batch.response_mask, 1.0, with_stats=False, truncation=rule, replay=replay)
         lr = (fwd.logprobs - batch.sampler_logprobs)[m]
         k3[replay], ratio[replay] = float((torch.expm1(lr) - lr).mean()), float(lr.exp().mean())
         assert fwd.truncation.sampled_outside[m].float().mean() < 0.02

@@ -19,7 +19,7 @@ from covrl.math import (
 )
 from covrl.models import tiny_llama
 from covrl.train.step.algorithm import bind_algorithm
-from covrl.train.step.trainer import Trainer, forward_response
+from covrl.train.step.trainer import Trainer, forward_batch
 
 torch.set_num_threads(1)
 
@@ -33,7 +33,7 @@ def step_inputs(noise=0.2):
     model = make_model()
     batch = synthetic_batch(model, noise=noise)
     with torch.no_grad():
-        fwd = forward_response(model, batch, 1.0)
+        fwd = forward_batch(model, batch, 1.0)
     return batch, fwd
 
 

@@ -15,7 +15,7 @@ from covrl.models.forward import full_logits
 from covrl.train.run.driver import train_sync
 from covrl.train.run.folder import prepare_run
 from covrl.train.run.sinks import read_jsonl
-from covrl.train.step.trainer import forward_response
+from covrl.train.step.trainer import forward_batch
 
 torch.set_num_threads(1)
 
@@ -32,7 +32,7 @@ def test_bf16_autocast_keeps_fp32_outputs_and_gives_fp32_like_gradients():
     out, grads = {}, {}
     for mode in ("none", "bf16"):
         model.zero_grad(set_to_none=True)
-        fwd = forward_response(model, batch, 0.7, autocast=mode)
+        fwd = forward_batch(model, batch, 0.7, autocast=mode)
         (fwd.logprobs * mask).sum().backward()
         out[mode], grads[mode] = fwd, _flat_grads(model)
         assert all(p.dtype == torch.float32 and p.grad.dtype == torch.float32 for p in model.parameters())
@@ -75,8 +75,8 @@ def test_autocast_none_is_the_plain_forward():
     model, _ = load_model(cfg.model, seed=0)
     batch = synthetic_batch(model, groups=2, group_size=2)
     with torch.no_grad():
-        plain = forward_response(model, batch, 1.0).logprobs
-        none = forward_response(model, batch, 1.0, autocast="none").logprobs
+        plain = forward_batch(model, batch, 1.0).logprobs
+        none = forward_batch(model, batch, 1.0, autocast="none").logprobs
     assert torch.equal(plain, none)
 
 

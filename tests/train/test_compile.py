@@ -18,7 +18,7 @@ from covrl.train.parallel.wrappers import TrainerConfig
 from covrl.train.run.driver import train_sync
 from covrl.train.run.folder import prepare_run
 from covrl.train.run.sinks import read_jsonl
-from covrl.train.step.trainer import Trainer, forward_response
+from covrl.train.step.trainer import Trainer, forward_batch
 
 # metrics compared between the eager and the compiled step (wall times and the compile time differ)
 COMPARED = ("loss", "grad_norm", "loss/policy", "entropy", "kl/k3_mean")
@@ -93,7 +93,7 @@ def test_inductor_logprobs_and_gradients_match_eager():
     out = []
     for module in (model, compiled):
         model.zero_grad(set_to_none=True)
-        lp = forward_response(module, batch, 1.0, with_stats=False, share_prompts=False).logprobs
+        lp = forward_batch(module, batch, 1.0, with_stats=False, share_prompts=False).logprobs
         (lp * batch.response_mask).sum().backward()
         out.append((lp.detach() * batch.response_mask, [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(out[1][0], out[0][0], rtol=0, atol=1e-4)

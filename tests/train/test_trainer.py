@@ -20,7 +20,7 @@ from covrl.math import (
 from covrl.models import frozen_copy, tiny_llama
 from covrl.rollout.types import RolloutBatch
 from covrl.train.step.schedule import lr_factor
-from covrl.train.step.trainer import Trainer, TrainingDivergedError, forward_response
+from covrl.train.step.trainer import Trainer, TrainingDivergedError, forward_batch
 
 torch.set_num_threads(1)
 
@@ -66,7 +66,7 @@ def test_step_loss_is_the_registry_loss_of_the_batch():
     cfg = tiny_cfg(**{"optim.micro_batch_size": 64})
     batch = synthetic_batch(model)
     with torch.no_grad():
-        fwd = forward_response(model, batch, 1.0)
+        fwd = forward_batch(model, batch, 1.0)
         mask = batch.response_mask
         adv = compute_advantages("otb", rewards=batch.rewards, mask=mask, group_ids=batch.group_ids,
                                  logprobs=fwd.logprobs, sum_pi_sq=fwd.sum_pi_sq).advantages
@@ -83,7 +83,7 @@ def test_covariance_gradient_equals_hand_formula():
     cfg = tiny_cfg(**{"algorithm.advantage": "dr_grpo", "optim.max_grad_norm": None})
     got, _ = grads_of_step(cfg, batch, model=make_model())
     ref_model = make_model()
-    fwd = forward_response(ref_model, batch, 1.0)
+    fwd = forward_batch(ref_model, batch, 1.0)
     r = batch.rewards
     mean = r.view(3, 4).mean(1).repeat_interleave(4)
     loss = -((r - mean)[:, None] * fwd.logprobs * batch.response_mask).sum() / batch.response_mask.sum()
@@ -227,7 +227,7 @@ def test_shared_prompt_pass_matches_the_full_forward():
     results = []
     for share in (False, True):
         model.zero_grad()
-        fwd = forward_response(model, batch, 0.7, share_prompts=share)
+        fwd = forward_batch(model, batch, 0.7, share_prompts=share)
         (fwd.logprobs * batch.response_mask * batch.rewards[:, None]).sum().backward()
         results.append((fwd.logprobs.detach() * batch.response_mask, [p.grad.clone() for p in model.parameters()]))
     torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-5)

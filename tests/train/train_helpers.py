@@ -46,7 +46,7 @@ def synthetic_batch(model, *, groups=3, group_size=4, prompt_len=5, max_len=6, v
     """A scored batch with random prompts (one per group unless shared_prompts=False) and responses of varying
     lengths (left-padded prompts, right-padded responses), sampler log-probs = the model's own log-probs +
     noise, binary rewards."""
-    from covrl.train.step.trainer import forward_response
+    from covrl.train.step.trainer import forward_batch
 
     g = torch.Generator().manual_seed(seed)
     vocab = vocab or model.config.vocab_size
@@ -69,13 +69,13 @@ def synthetic_batch(model, *, groups=3, group_size=4, prompt_len=5, max_len=6, v
                          group_ids=torch.arange(groups).repeat_interleave(group_size),
                          policy_version=torch.zeros(rows, dtype=torch.long))
     with torch.no_grad():
-        lp = forward_response(model, batch, temperature, with_stats=False).logprobs
+        lp = forward_batch(model, batch, temperature, with_stats=False).logprobs
         batch = replace(batch, sampler_logprobs=(lp + noise * torch.randn(lp.shape, generator=g)) * response_mask)
         if topk:
             ids = torch.cat([batch.response_ids[..., None],
                              torch.randint(4, vocab, (rows, max_len, topk - 1), generator=g)], -1)
             batch = replace(batch, sampler_topk_ids=ids)
-            out = forward_response(model, batch, temperature, with_stats=False, topk_ids=ids)
+            out = forward_batch(model, batch, temperature, with_stats=False, topk_ids=ids)
             batch = replace(batch, sampler_topk_logprobs=out.topk_logprobs + noise * torch.randn(
                 out.topk_logprobs.shape, generator=g))
     rewards = torch.randint(0, 2, (rows,), generator=g).float()

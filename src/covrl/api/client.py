@@ -16,6 +16,7 @@ changes memory, not the gradient (up to float rounding).
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import warnings
 from collections.abc import Callable, Iterator, Mapping
@@ -38,30 +39,31 @@ from covrl.api.types import (
 )
 from covrl.config import load_config, load_preset, override_strings
 from covrl.math import CorrectionConfig, aggregate, rollout_correction
-from covrl.models import forward_response, load_model
 from covrl.models.loading import apply_lora  # the adapters load_model adds
 from covrl.rollout import SamplerConfig, build_sampler, truncation_rule
 from covrl.rollout.types import ScoredBatch
-from covrl.tasks import build_task
 from covrl.train import (
     MODEL_DIR,
     CheckpointError,
     DataStream,
+    LossTerms,
+    Prepared,
     Run,
     StepResult,
     TrainConfig,
     Trainer,
     apply_model_weights,
-    apply_num_threads,
-    fold_micro_metrics,
+    build_adamw,
+    build_components,
+    collect,
+    forward_batch,
     mean_over,
     micro_batch_share,
+    micro_step,
     pad_cols,
     read_model_weights,
-    resolve_device,
     save_checkpoint,
-    seed_everything,
-    sft_warmup,
+    truncation_replay,
 )
 from covrl.train import load_state as load_checkpoint_state
 
@@ -109,9 +111,8 @@ class TrainingClient:
         self.micro_batch_size = micro_batch_size
         self.share_prompts = share_prompts
         # a truncating sampler's kept sets, replayed by the trainer's forward unless truncation="full" (§12)
-        rule = truncation_rule(sampler_config or SamplerConfig(temperature=self.temperature))
-        self.truncation = rule if rule.active else None
-        self.replay = self.truncation is not None and truncation != "full"
+        self.truncation, self.replay = truncation_replay(sampler_config or SamplerConfig(temperature=self.temperature),
+                                                         truncation)
         self.sampler_config = sampler_config or SamplerConfig(temperature=self.temperature)
         self.generator = torch.Generator().manual_seed(int(seed))
         self.state_dir = Path(state_dir)
@@ -138,21 +139,15 @@ class TrainingClient:
         lora = cfg.model.lora if lora_after_warmup and warmup and cfg.sft_warmup.steps > 0 else None
         if lora is not None:
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
-        apply_num_threads(cfg)
-        seed_everything(cfg.run.seed)
-        device = resolve_device(cfg.run.device)
-        task = build_task(cfg.task)
-        stream = DataStream(task.train, seed=cfg.run.seed)
-        model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)
-        model.to(device)
+        c = build_components(cfg)   # as `covrl train` builds them
+        model, tokenizer = c.model, c.tokenizer
         client = cls(model, tokenizer, temperature=cfg.sampler.temperature, correction=cfg.correction,
                      micro_batch_size=cfg.optim.micro_batch_size, share_prompts=cfg.optim.share_prompts,
                      sampler_config=cfg.sampler, seed=cfg.run.seed,
                      state_dir=state_dir or Path(cfg.run.output_dir) / f"{cfg.run.name}-api",
                      truncation=cfg.trainer.truncation)
-        if warmup and cfg.sft_warmup.steps > 0:
-            client.sft_metrics = sft_warmup(model, tokenizer, task, cfg.sft_warmup, seed=cfg.run.seed,
-                                            micro_batch_size=cfg.optim.micro_batch_size * 4)
+        if warmup:
+            client.sft_metrics = c.warm_up()
         sft = client.sft_metrics
         if lora is not None:
             with torch.random.fork_rng():   # adapter init from the seed, as load_model draws it
@@ -164,7 +159,7 @@ class TrainingClient:
                          sampler_config=client.sampler_config, seed=cfg.run.seed, state_dir=client.state_dir,
                          truncation=cfg.trainer.truncation)
             client.sft_metrics = sft
-        client.config, client.task, client.stream = cfg, task, stream
+        client.config, client.task, client.stream = cfg, c.task, c.stream
         return client
 
     @classmethod
@@ -210,10 +205,8 @@ class TrainingClient:
         return [torch.arange(s, min(s + size, rows), device=self.device) for s in range(0, rows, size)]
 
     def _forward(self, mb: TrainBatch):
-        return forward_response(self.model, mb.prompt_ids, mb.prompt_mask.float(), mb.response_ids,
-                                mb.response_mask.float(), self.temperature, share_prompts=self.share_prompts,
-                                truncation=self.truncation if self.replay else None, replay=self.replay,
-                                kept_counts=mb.sampler_kept)
+        return forward_batch(self.model, mb, self.temperature, share_prompts=self.share_prompts,
+                             truncation=self.truncation if self.replay else None, replay=self.replay)
 
     @torch.no_grad()
     def forward(self, batch: TrainBatch) -> ForwardResult:
@@ -247,56 +240,44 @@ class TrainingClient:
         rows, width = batch.response_ids.shape
         sampled_full = batch.sampled_mask
         has_q = batch.sampler_logprobs is not None
+        corrected = has_q and spec.family == "covrl.math"   # Tinker's losses take the ratio as it is
         # batch-normalised IS weights need the whole batch's log-probs before any micro-batch's loss
-        prepass = self.forward(batch).logprobs if has_q and corr_cfg.is_batch_normalize else None
-        pre_corr = rollout_correction(prepass, batch.sampler_logprobs, sampled_full, corr_cfg,
-                                      with_metrics=False) if prepass is not None else None
-        full = ForwardResult(*(torch.zeros((rows, width), device=self.device) for _ in range(3)))
-        token_loss_full = torch.zeros((rows, width), device=self.device)
-        total_tokens = float(sampled_full.sum())
-        loss_total, metrics = 0.0, {}
+        pre = rollout_correction(self.forward(batch).logprobs, batch.sampler_logprobs, sampled_full, corr_cfg,
+                                 with_metrics=False) if corrected and corr_cfg.is_batch_normalize else None
+
+        def loss(mb: TrainBatch, idx: torch.Tensor, fwd, prep: Prepared) -> LossTerms:
+            x = LossInputs(logprobs=fwd.logprobs, sampler_logprobs=mb.sampler_logprobs, advantages=prep.advantages,
+                           sampled=mb.sampled_mask, weights=mb.loss_weights, keep=prep.keep, is_weights=prep.weights)
+            out = spec.fn(x, options)
+            value = self._reduce(spec, out.token_loss, idx, sampled_full, agg_mode, options)
+            metrics = dict(out.metrics)
+            if spec.family == "covrl.math":
+                metrics["loss/policy"] = float(value.detach())
+            return LossTerms(value, metrics, out.token_loss)
+
+        records = []
         self.model.train()
         for idx in self._plan(rows):
             mb = batch.select(idx)
             t = mb.response_ids.shape[1]
-            fwd = self._forward(mb)
-            full.logprobs[idx] = pad_cols(fwd.logprobs.detach().float(), width)
-            full.entropy[idx] = pad_cols(fwd.entropy, width)
-            full.sum_pi_sq[idx] = pad_cols(fwd.sum_pi_sq, width)
-            sampled = mb.sampled_mask
-            keep, is_weights = sampled, None
-            if has_q and spec.family == "covrl.math":
-                if pre_corr is not None:
-                    keep, w = pre_corr.keep[idx][:, :t], pre_corr.weights[idx][:, :t]
-                else:
-                    corr = rollout_correction(fwd.logprobs.detach(), mb.sampler_logprobs.float(), sampled, corr_cfg,
-                                              with_metrics=False)
-                    keep, w = corr.keep, corr.weights
-                is_weights = w if corr_cfg.is_level is not None else None
-            advantages = mb.advantages.float() if mb.advantages is not None else None
-            x = LossInputs(logprobs=fwd.logprobs, sampler_logprobs=mb.sampler_logprobs, advantages=advantages,
-                           sampled=sampled, weights=mb.loss_weights, keep=keep, is_weights=is_weights)
-            out = spec.fn(x, options)
-            loss = self._reduce(spec, out.token_loss, idx, sampled_full, agg_mode, options)
-            if not torch.isfinite(loss):
-                raise FloatingPointError(f"forward_backward: non-finite loss ({float(loss.detach())}) with "
-                                         f"loss_fn {loss_fn!r}; the gradient of this call was not added")
-            loss.backward()
-            loss_total += float(loss.detach())
-            token_loss_full[idx] = pad_cols(out.token_loss.detach().float(), width)
-            share = float(mb.sampled_mask.sum()) / total_tokens if total_tokens > 0 else 0.0
-            chunk = dict(out.metrics)
-            if spec.family == "covrl.math":
-                chunk["loss/policy"] = float(loss.detach())
-            fold_micro_metrics(metrics, chunk, share, share == 0.0)   # as the trainer folds its micro-batches
-        metrics["loss"] = loss_total
+            given = None if pre is None else (pre.keep[idx][:, :t], pre.weights[idx][:, :t])
+            rec = micro_step(mb, idx, forward=self._forward, loss=loss, tokens=mb.sampled_mask, full_mask=sampled_full,
+                             prepare=functools.partial(_prepare, correction=corr_cfg if corrected else None,
+                                                       given=given))
+            if rec.bad is not None:
+                raise FloatingPointError(f"forward_backward: {rec.bad} with loss_fn {loss_fn!r}; the gradient of "
+                                         f"this micro-batch was not added")
+            records.append(rec)
+        step = collect(records, rows, width, self.device, token_loss=True)   # as the trainer folds its micro-batches
+        metrics = step.metrics
+        metrics["loss"] = step.loss
         if spec.family == "tinker":
-            metrics["loss:sum"] = loss_total
-        metrics["entropy"] = mean_over(full.entropy, sampled_full)
+            metrics["loss:sum"] = step.loss
+        metrics["entropy"] = mean_over(step.entropy, sampled_full)
         if has_q:
-            metrics.update(rollout_correction(full.logprobs, batch.sampler_logprobs, sampled_full, corr_cfg).metrics)
-        return ForwardBackwardResult(full.logprobs, full.entropy, full.sum_pi_sq, loss=loss_total,
-                                     token_loss=token_loss_full, metrics=metrics)
+            metrics.update(rollout_correction(step.logprobs, batch.sampler_logprobs, sampled_full, corr_cfg).metrics)
+        return ForwardBackwardResult(step.logprobs, step.entropy, step.sum_pi_sq, loss=step.loss,
+                                     token_loss=step.token_loss, metrics=metrics)
 
     def _reduce(self, spec: ApiLoss, token_loss: torch.Tensor, idx: torch.Tensor, sampled_full: torch.Tensor,
                 agg_mode: str, options: Mapping[str, Any]) -> torch.Tensor:
@@ -347,7 +328,7 @@ class TrainingClient:
         hyper = {"lr": float(p.learning_rate), "betas": (float(p.beta1), float(p.beta2)), "eps": float(p.eps),
                  "weight_decay": float(p.weight_decay)}
         if self.optimizer is None:
-            self.optimizer = _adamw(self.params, hyper)
+            self.optimizer = build_adamw(self.params, **hyper)
         for group in self.optimizer.param_groups:
             group.update(hyper)
         max_norm = float(p.grad_clip_norm) if p.grad_clip_norm > 0 else math.inf
@@ -390,7 +371,7 @@ class TrainingClient:
             s = state[STATE_KEY]
             if s["optimizer"] is not None:
                 if self.optimizer is None:
-                    self.optimizer = _adamw(self.params, {"lr": 0.0})
+                    self.optimizer = build_adamw(self.params, lr=0.0)
                 self.optimizer.load_state_dict(s["optimizer"])
             else:
                 self.optimizer = None
@@ -574,10 +555,21 @@ def _sampler_update(params: SamplingParams, sampler) -> dict[str, Any]:
     return update
 
 
-def _adamw(params, hyper: dict[str, Any]) -> torch.optim.AdamW:
-    # the fused kernel when every parameter allows it, as covrl.train.step.trainer (same update, bit for bit)
-    fused = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return torch.optim.AdamW(params, **hyper, **({"fused": True} if fused else {}))
+def _prepare(mb: TrainBatch, fwd, *, correction: CorrectionConfig | None,
+             given: tuple[torch.Tensor, torch.Tensor] | None) -> Prepared:
+    """The micro-step's prepared quantities of a call's rows: the advantages the batch carries and, for a
+    covrl.math loss on sampled rows (`correction`), the rollout correction's keep-mask and IS weights (with
+    correction.is_level): `given` by the call's pre-pass, or from this micro-batch's own log-probs."""
+    sampled = mb.sampled_mask
+    advantages = None if mb.advantages is None else mb.advantages.float()
+    if correction is None:
+        return Prepared(advantages, None, sampled)
+    if given is None:
+        corr = rollout_correction(fwd.logprobs.detach(), mb.sampler_logprobs.float(), sampled, correction,
+                                  with_metrics=False)
+        given = (corr.keep, corr.weights)
+    keep, weights = given
+    return Prepared(advantages, weights if correction.is_level is not None else None, keep)
 
 
 def _as_correction(c: CorrectionConfig | dict | None) -> CorrectionConfig:

@@ -1,6 +1,6 @@
 """`covrl bench step`: the trainer's cost, without generation.
 
-1. Forward+backward grid: `forward_response` (one forward over [prompt | response], prompts shared within
+1. Forward+backward grid: `forward_batch` (one forward over [prompt | response], prompts shared within
    groups as by default, log-probs of the response tokens) + a token-mean policy-gradient loss + backward,
    by micro-batch rows and response length, with and without the detached per-token statistics (entropy,
    Σπ²) the Trainer computes for OTB and the metrics. tokens/s counts response tokens (those with a gradient).
@@ -45,7 +45,7 @@ from covrl.math import kl_estimate, rollout_correction, token_logprobs
 from covrl.models import frozen_copy
 from covrl.models.precision import AUTOCAST_MODES, check_autocast, cpu_bf16_support
 from covrl.rollout import ScoredBatch
-from covrl.train import Trainer, forward_response, git_state
+from covrl.train import Trainer, forward_batch, git_state
 
 # name -> config sections (dicts) merged over the plain step; "needs" lists extra inputs
 VARIANTS: dict[str, dict] = {
@@ -133,7 +133,7 @@ def _gradient_difference(model, batch, arms) -> dict[str, float]:
     lps, grads = [], []
     for module, share in arms:
         model.zero_grad(set_to_none=True)
-        lp = forward_response(module, batch, 1.0, with_stats=False, share_prompts=share).logprobs
+        lp = forward_batch(module, batch, 1.0, with_stats=False, share_prompts=share).logprobs
         (lp * mask).sum().backward()
         lps.append(lp.detach() * mask)
         grads.append(torch.cat([p.grad.flatten() for p in model.parameters() if p.grad is not None]))
@@ -145,7 +145,7 @@ def _gradient_difference(model, batch, arms) -> dict[str, float]:
 
 def prompt_sharing_check(model, batch) -> dict[str, float]:
     """Max |log-prob difference| and relative L2 difference of the parameter gradients between
-    `forward_response` with and without `share_prompts` on the same batch and loss."""
+    `forward_batch` with and without `share_prompts` on the same batch and loss."""
     diff = _gradient_difference(model, batch, ((model, False), (model, True)))
     return {k: diff[k] for k in ("logprob_max_diff", "grad_rel_diff")}
 
@@ -167,7 +167,7 @@ def _fwd_bwd(model, batch, with_stats: bool, share_prompts: bool = True, autocas
 
     model.zero_grad(set_to_none=True)
     t0 = time.perf_counter()
-    fwd = forward_response(model, batch, 1.0, with_stats=with_stats, share_prompts=share_prompts,
+    fwd = forward_batch(model, batch, 1.0, with_stats=with_stats, share_prompts=share_prompts,
                            autocast=autocast, packing=packing)
     mask = batch.response_mask
     adv = torch.where(batch.rewards > 0.5, 1.0, -1.0)[:, None]
@@ -195,8 +195,8 @@ def packing_compare(model, vocab: int, args) -> dict:
             if rep:
                 times[arm].append(dt)
     with torch.no_grad():
-        a = forward_response(model, batch, 1.0, with_stats=False).logprobs
-        b = forward_response(model, batch, 1.0, with_stats=False, packing=True).logprobs
+        a = forward_batch(model, batch, 1.0, with_stats=False).logprobs
+        b = forward_batch(model, batch, 1.0, with_stats=False, packing=True).logprobs
     med = {k: statistics.median(v) for k, v in times.items()}
     return {"rows": args.rows, "spread": [low, high], "response_tokens": tokens,
             "padded_tokens": float(args.rows * high), "prompt_length": args.prompt_length,
@@ -399,7 +399,7 @@ def _measure(args: argparse.Namespace, arm_specs: list[int | str], load_start: f
                     loads[arm].append(os.getloadavg()[0])
             use(arms[0])
             with torch.no_grad():
-                lps = {mode: forward_response(model, batch, 1.0, with_stats=False, autocast=mode).logprobs
+                lps = {mode: forward_batch(model, batch, 1.0, with_stats=False, autocast=mode).logprobs
                        for mode in modes}
             for arm in arms:
                 base_s = statistics.median(times[arm, modes[0], False])

@@ -6,7 +6,7 @@ from covrl.models.forward import (
     cache_argument,
     checkpointing,
     decode_responses,
-    forward_response,
+    forward_tokens,
     output_cache,
 )
 from covrl.models.loading import (
@@ -24,6 +24,6 @@ from covrl.models.smollm2 import ModelNotFoundError, load_smollm2, smollm2_gguf_
 from covrl.models.tiny import char_tokenizer, tiny_llama
 
 __all__ = ["MODEL_SOURCES", "LoraConfig", "ModelConfig", "ModelNotFoundError", "ResponseForward", "TinyModelConfig",
-           "cache_argument", "char_tokenizer", "checkpointing", "decode_responses", "forward_response",
+           "cache_argument", "char_tokenizer", "checkpointing", "decode_responses", "forward_tokens",
            "frozen_copy", "load_model", "load_pretrained", "load_smollm2", "lora_merge_plan", "merge_lora_state_dict", "output_cache",
            "smollm2_gguf_path", "tiny_llama"]

@@ -1,7 +1,7 @@
 """Forward passes of a causal LM over [left-padded prompt | right-padded response], the transformers KV-cache
 shims, and response decoding: the model plumbing that the trainer, the HF sampler and evaluation share.
 
-Everything takes plain tensors (this layer knows no RolloutBatch); covrl.train.step.trainer.forward_response and
+Everything takes plain tensors (this layer knows no RolloutBatch); covrl.train.step.micro_step.forward_batch and
 covrl.rollout.decode_responses are the batch-taking wrappers.
 """
 
@@ -178,12 +178,12 @@ def shared_prompt_logits(model, prompt_ids: torch.Tensor, prompt_mask: torch.Ten
     return torch.cat([first_logits[:, None], rest.logits], dim=1)
 
 
-def forward_response(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
-                     response_mask: torch.Tensor, temperature: float, *, with_stats: bool = True,
-                     topk_ids: torch.Tensor | None = None, share_prompts: bool = True,
-                     autocast: str = "none", truncation: TruncationRule | None = None,
-                     replay: bool = False, kept_counts: torch.Tensor | None = None,
-                     packing: bool = False) -> ResponseForward:
+def forward_tokens(model, prompt_ids: torch.Tensor, prompt_mask: torch.Tensor, response_ids: torch.Tensor,
+                   response_mask: torch.Tensor, temperature: float, *, with_stats: bool = True,
+                   topk_ids: torch.Tensor | None = None, share_prompts: bool = True,
+                   autocast: str = "none", truncation: TruncationRule | None = None,
+                   replay: bool = False, kept_counts: torch.Tensor | None = None,
+                   packing: bool = False) -> ResponseForward:
     """Log-probs of the response tokens in one forward pass.
 
     Input = [left-padded prompt | right-padded response]; position ids follow the attention mask (as in

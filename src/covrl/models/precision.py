@@ -4,7 +4,7 @@
 parameters, their gradients and AdamW stay fp32 (master weights). The logits come out of autocast in bf16
 (`bf16`) or fp32 (`bf16_fp32_head`: the LM head in fp32 on the upcast hidden states); covrl.math's log-probs,
 entropy and Σπ² upcast them to fp32 block by block before any softmax, outside autocast, so the log-softmax
-itself is never bf16 (covrl.models.forward.forward_response). docs/performance.md
+itself is never bf16 (covrl.models.forward.forward_tokens). docs/performance.md
 and docs/engines.md have the measured speed and the mismatch it adds against an fp32 sampler.
 """
 

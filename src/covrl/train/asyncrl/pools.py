@@ -22,12 +22,11 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 
 from covrl.math import KL_ESTIMATORS, clamped_log_ratio, constant_groups
-from covrl.rollout import truncation_rule
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.asyncrl.config import AsyncLoopConfig
 from covrl.train.asyncrl.staleness import Chunk, StalenessManager, TakeResult
 from covrl.train.run.sources import DynamicSamplingError, generate_batch, score_batch
-from covrl.train.step.trainer import forward_response
+from covrl.train.step.micro_step import forward_batch, truncation_replay
 
 __all__ = ["AsyncState", "SamplerWorkerError", "SerialPool", "ThreadPool", "clone_weights", "floor_probe",
            "generate_chunk"]
@@ -188,11 +187,10 @@ def floor_probe(reference_model, batch: RolloutBatch, cfg) -> float:
     """Engine floor on one generated chunk: kl_seq = mean_b Σ_t k3(ρ_t), ρ_t = p_ref(y_t)/q(y_t), where p_ref is an
     fp32 forward at the weights that generated the chunk (on the sampler's kept sets, as the trainer scores them
     under trainer.truncation) and q the sampler's log-probs (docs/theory.md §5, §9, §12). `cfg`: the run's."""
-    rule = truncation_rule(cfg.sampler)
-    replay = rule.active and cfg.trainer.truncation != "full"
+    rule, replay = truncation_replay(cfg.sampler, cfg.trainer.truncation)
     with torch.no_grad():
-        fwd = forward_response(reference_model, batch, float(cfg.sampler.temperature), with_stats=False,
-                               truncation=rule if replay else None, replay=replay)
+        fwd = forward_batch(reference_model, batch, float(cfg.sampler.temperature), with_stats=False,
+                            truncation=rule if replay else None, replay=replay)
     mask = batch.train_mask.float()   # the model's tokens: an episode's environment tokens have no sampler log-prob
     k3 = KL_ESTIMATORS["k3"](clamped_log_ratio(fwd.logprobs, batch.sampler_logprobs)) * mask
     return float(k3.sum(1).mean())

@@ -132,7 +132,7 @@ def _rebuilt_initial(run_dir: Path):
     """The run's initial weights rebuilt from its config, checked against the fingerprint it recorded."""
     from covrl.train.config import ConfigError, load_config
     from covrl.train.run.checkpoint import weights_fingerprint
-    from covrl.train.run.folder import rebuild_initial_model
+    from covrl.train.run.components import rebuild_initial_model
 
     try:
         recorded = json.loads((run_dir / "summary.json").read_text()).get("initial_weights") or {}

@@ -75,8 +75,8 @@ def run(args: argparse.Namespace) -> int:
     from covrl.rollout import build_sampler
     from covrl.tasks import UserCodeError, build_task
     from covrl.train.run.checkpoint import CheckpointError, load_model_weights
+    from covrl.train.run.components import resolve_device, seed_everything
     from covrl.train.run.evaluate import evaluate
-    from covrl.train.run.folder import resolve_device, seed_everything
     from covrl.train.run.threads import apply_num_threads
 
     apply_num_threads(cfg)

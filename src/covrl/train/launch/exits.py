@@ -25,7 +25,8 @@ from covrl.tasks import PromptTooLongError, UserCodeError
 from covrl.train.asyncrl.pools import SamplerWorkerError
 from covrl.train.run.alarm import SyncAlarmError
 from covrl.train.run.checkpoint import CheckpointError
-from covrl.train.run.folder import RunComplete, choose_run_dir, mark_summary, storage_lines
+from covrl.train.run.folder import choose_run_dir, mark_summary, storage_lines
+from covrl.train.run.resume import RunComplete
 from covrl.train.run.sources import DynamicSamplingError
 from covrl.train.step.trainer import TrainingDivergedError
 

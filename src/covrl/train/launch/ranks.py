@@ -28,7 +28,8 @@ from covrl.models import frozen_copy, load_model
 from covrl.train.launch.exits import Terminated, is_sigterm, run_training
 from covrl.train.parallel.shards import ShardIOError
 from covrl.train.parallel.wrappers import Channel, init_process_group
-from covrl.train.run.folder import build_teacher, mark_summary, resolve_device, seed_everything
+from covrl.train.run.components import build_teacher, resolve_device, seed_everything
+from covrl.train.run.folder import mark_summary
 from covrl.train.run.threads import apply_num_threads
 from covrl.train.step.trainer import Trainer, TrainingDivergedError
 

@@ -16,7 +16,7 @@ import socket
 import sys
 import threading
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Literal
 
 import torch
@@ -181,6 +181,7 @@ class Parallel:
     rank: int
     world: int
     module: Any
+    _local_gradients: Any = field(default=None, repr=False)   # read by DDP's comm hook during a backward
 
     @classmethod
     def wrap(cls, model, mode: str) -> Parallel:
@@ -241,14 +242,26 @@ class Parallel:
         dist.all_gather_object(parts, obj)
         return parts
 
-    def watch_local_gradients(self, read) -> None:
-        """DDP: call `read(bucket)` with each bucket's local (not yet averaged) gradients, then DDP's own
-        averaging all-reduce: what a rank contributed, without an extra backward."""
+    def watch_local_gradients(self) -> None:
+        """DDP: in a `backward(loss, local_gradients=reader)`, give `reader.from_bucket(bucket)` each bucket's
+        local (not yet averaged) gradients before DDP's own averaging all-reduce: what a rank contributed,
+        without an extra backward."""
         def hook(_state, bucket):
-            read(bucket)
+            if self._local_gradients is not None:
+                self._local_gradients.from_bucket(bucket)
             return allreduce_hook(None, bucket)
 
         self.module.register_comm_hook(None, hook)
+
+    def backward(self, loss: torch.Tensor, *, local_gradients: Any = None) -> None:
+        """Backward of a rank's loss share times the world size: DDP / FSDP2 average the ranks' gradients, and the
+        shares must add up. `local_gradients` (with `watch_local_gradients`): reads this rank's own gradients in
+        the comm hook of a synced backward."""
+        self._local_gradients = local_gradients
+        try:
+            (loss * self.world).backward()
+        finally:
+            self._local_gradients = None
 
     def reduce_step_pieces(self, tensors: list[torch.Tensor], loss_total: float, bad: str | None,
                            loss_metrics: dict[str, float]) -> tuple[float, str | None, dict[str, float]]:

@@ -1,6 +1,6 @@
-"""Everything around the loop that sync and async loops share: the run folder, seeding, building the model /
-task / sampler / trainer, resume from the latest complete checkpoint, evaluation records, checkpoints on the
-data clock, metric sinks and the end-of-run summary.
+"""Everything around the loop that sync and async loops share: the run folder, the sampler and trainer over the
+run's components (`covrl.train.run.components`), the resume point (`covrl.train.run.resume`), evaluation
+records, checkpoints on the data clock, metric sinks and the end-of-run summary.
 
 Run folder `runs/<name>/`: config.yaml (resolved), metrics.jsonl (one line per step), eval.json,
 summary.json (status, timings, evals, versions, git commit, the task's split, the checkpoint left and the
@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import shutil
 import sys
 import time
@@ -24,21 +23,25 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
 from covrl.models import frozen_copy, load_model
-from covrl.rollout import SamplerConfig, build_sampler, truncation_rule
-from covrl.rollout.vllm import build_vllm_sampler
+from covrl.rollout import build_sampler
 from covrl.settings import dump_config
-from covrl.tasks import build_task
 from covrl.train.parallel.wrappers import DCP_DIR
 from covrl.train.run import checkpoint as ckpt
 from covrl.train.run.alarm import SyncAlarm
+from covrl.train.run.components import Components, build_components, build_teacher
 from covrl.train.run.evaluate import evaluate
 from covrl.train.run.plots import plot_curves
 from covrl.train.run.provenance import git_state, versions
+from covrl.train.run.resume import (
+    check_resume_target,
+    find_resume_point,
+    recorded_initial_weights,
+    refuse_fresh_start_over,
+)
 from covrl.train.run.selection import PromptSelector
 from covrl.train.run.sinks import (
     ConsoleSink,
@@ -49,8 +52,7 @@ from covrl.train.run.sinks import (
     truncate_jsonl,
 )
 from covrl.train.run.stream import DataStream
-from covrl.train.run.threads import ThreadChoice, apply_num_threads
-from covrl.train.step.sft import sft_warmup
+from covrl.train.run.threads import ThreadChoice
 from covrl.train.step.trainer import Trainer
 
 if TYPE_CHECKING:   # the run's config composes this room's sections: imported for types only
@@ -59,25 +61,10 @@ if TYPE_CHECKING:   # the run's config composes this room's sections: imported f
 STATE_FORMAT = 1
 
 
-def seed_everything(seed: int) -> None:
-    """One seed for python, numpy and torch (the sampler's generator is seeded separately from it)."""
-    random.seed(seed)
-    np.random.seed(seed % (2 ** 32))
-    torch.manual_seed(seed)
-
-
 def _write_json(path: Path, data: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_text(json.dumps(data, indent=2, default=str))
     os.replace(tmp, path)
-
-
-def resolve_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    if name == "cuda" and not torch.cuda.is_available():
-        raise ValueError("run.device='cuda' but torch sees no CUDA device; use run.device=cpu or auto")
-    return torch.device(name)
 
 
 def _requested_run_dir(cfg: TrainConfig, config_path: str | Path | None) -> Path:
@@ -112,49 +99,6 @@ def taken_name_note(cfg: TrainConfig, run_dir: Path, *, config_path: str | Path 
         return None
     return (f"{requested} exists; this run writes {run_dir} (use --resume to continue {requested}, or pick "
             "another --name)")
-
-
-class RunComplete(Exception):
-    """`--resume` of a run that already did every step asked of it: nothing to train. `covrl train` prints the
-    message (what to do to train further) and exits 0, without loading anything or touching the folder."""
-
-
-def resume_command(run_dir: Path) -> str:
-    """`covrl train --resume --name X` for a run folder (X: the name under runs/, else the folder's path)."""
-    run_dir = Path(run_dir)
-    return f"covrl train --resume --name {run_dir.name if run_dir.parent == Path('runs') else run_dir}"
-
-
-def _check_resume_target(cfg: TrainConfig, run_dir: Path) -> None:
-    """Before anything is loaded: a completed run whose newest checkpoint holds its last step, and that
-    `loop.steps` asks no more of, is complete (RunComplete, exit 0, nothing re-evaluated); a completed run that
-    kept only its final weights (checkpoint.final=weights) cannot train on (CheckpointError naming what to do
-    instead). A newest checkpoint behind the last step (checkpoint.at_end=false) resumes as before, and a run
-    without any checkpoint is left to the fresh-start rule (`_refuse_fresh_start_over`)."""
-    try:
-        summary = json.loads((run_dir / "summary.json").read_text())
-    except (OSError, ValueError):
-        return
-    if not isinstance(summary, dict) or summary.get("status") != "completed" or not isinstance(summary.get("steps"), int):
-        return
-    steps, name = summary["steps"], run_dir.name
-    full = ckpt.list_checkpoints(run_dir)
-    final = ckpt.final_weights(run_dir)
-    weights_only = final is not None and not full
-    start_new = (f"start a new run from them: covrl train --config FILE model.source=hf "
-                 f"model.path={final / ckpt.MODEL_DIR}") if final is not None else ""
-    at_end = ckpt.marker(full[-1]).get("step") == steps if full else weights_only
-    if steps >= cfg.loop.steps and at_end:
-        if weights_only:
-            raise RunComplete(f"run {name} is complete ({steps} steps); it kept its final weights only ({final}, "
-                              f"checkpoint.final=weights), so it cannot train further; to train on, {start_new}")
-        raise RunComplete(f"run {name} is complete ({steps} steps); to train further: {resume_command(run_dir)} "
-                          f"loop.steps={2 * steps}")
-    if weights_only:
-        raise ckpt.CheckpointError(
-            f"--resume: run {name} completed {steps} steps and kept its final weights only ({final}, "
-            f"checkpoint.final=weights): no optimizer state, so it cannot be resumed for loop.steps="
-            f"{cfg.loop.steps}; {start_new}")
 
 
 @dataclass
@@ -455,29 +399,6 @@ def storage_lines(summary: dict[str, Any]) -> list[str]:
     return lines
 
 
-def _read_resume_point(path: Path, model) -> tuple[dict[str, Any], dict[str, torch.Tensor]]:
-    """Everything `prepare_run` needs from a checkpoint, read and checked before anything is changed (so an
-    unloadable one can be skipped for an older one)."""
-    state = ckpt.load_state(path)
-    missing = [k for k in ("trainer", "stream", "rng", "loop") if not isinstance(state, dict) or k not in state]
-    if missing or not all(k in state["loop"] for k in ("step", "metrics_lines")):
-        raise ckpt.CheckpointError(f"{path / ckpt.STATE_FILE}: not a run checkpoint (missing "
-                                   f"{missing or ['loop.step/metrics_lines']})")
-    return state, ckpt.read_model_weights(model, path / ckpt.MODEL_DIR)
-
-
-def _refuse_fresh_start_over(run_dir: Path) -> None:
-    """`--resume` without a checkpoint starts from scratch, which must never replace a finished run (e.g. one
-    run with checkpoints off)."""
-    try:
-        status = json.loads((run_dir / "summary.json").read_text()).get("status")
-    except (OSError, ValueError, AttributeError):
-        return
-    if status == "completed":
-        raise FileNotFoundError(f"--resume: {run_dir} holds a completed run and no complete checkpoint; nothing "
-                                "to resume (start a new run, or delete the folder to redo it)")
-
-
 def _build_sinks(cfg: TrainConfig, run_dir: Path, start_step: int, console: bool) -> list:
     sinks: list = [JsonlSink(run_dir / "metrics.jsonl")]
     if console and cfg.logging.console:
@@ -488,94 +409,6 @@ def _build_sinks(cfg: TrainConfig, run_dir: Path, start_step: int, console: bool
     if cfg.logging.wandb:
         sinks.append(WandbSink(cfg.logging.wandb_project, run_dir.name, cfg.model_dump(mode="json"), run_dir))
     return sinks
-
-
-def _find_resume_point(run_dir: Path, model, resume: bool) -> tuple[Path | None, dict | None, dict | None, list]:
-    """The newest complete checkpoint that loads (path, state, weights) and the newer ones that did not (renamed
-    `corrupt-*`, never tried again); (None, None, None, []) for a fresh run or a folder with no checkpoint."""
-    if not resume:
-        return None, None, None, []
-    if not ckpt.list_checkpoints(run_dir):
-        incomplete = _set_aside_incomplete(run_dir, "none is complete")
-        print(f"warning: --resume: {run_dir}/checkpoints holds no complete checkpoint (killed before the first "
-              f"one?); starting the run from scratch in {run_dir}", file=sys.stderr)
-        return None, None, None, incomplete
-    latest, loaded, skipped = ckpt.newest_loadable(run_dir, lambda p: _read_resume_point(p, model))
-    if latest is None:
-        raise ckpt.CheckpointError(f"--resume: no checkpoint in {run_dir}/checkpoints loads (nothing was "
-                                   "changed):\n" + "\n".join(f"  {p.name}: {why}" for p, why in skipped))
-    for p, why in skipped:   # out of the listing: never tried again, never kept by pruning over a good one
-        moved = ckpt.set_aside(p)
-        print(f"warning: --resume: skipped {p} ({why}); renamed it {moved.name}; resuming from the older "
-              f"{latest.name}", file=sys.stderr)
-    state, weights = loaded
-    return latest, state, weights, skipped + _set_aside_incomplete(run_dir, f"resuming from {latest.name}")
-
-
-def _set_aside_incomplete(run_dir: Path, then: str) -> list[tuple[Path, str]]:
-    """Rename `ckpt-*` folders that lost their COMPLETE marker or trainer_state.pt `corrupt-*`, with a warning (a
-    resumed run would otherwise write over one of them, or keep it past pruning)."""
-    out = []
-    for p in ckpt.incomplete_checkpoints(run_dir):
-        why = f"no {ckpt.COMPLETE} marker" if not (p / ckpt.COMPLETE).is_file() else f"no {ckpt.STATE_FILE}"
-        moved = ckpt.set_aside(p)
-        print(f"warning: --resume: skipped {p} ({why}: not a complete checkpoint); renamed it {moved.name}; {then}",
-              file=sys.stderr)
-        out.append((p, why))
-    return out
-
-
-def _recorded_initial_weights(run_dir: Path) -> dict[str, Any] | None:
-    """The initial-weights record of the attempt a resume continues (its summary.json), before it is rewritten."""
-    try:
-        return json.loads((run_dir / "summary.json").read_text()).get("initial_weights")
-    except (OSError, ValueError):
-        return None
-
-
-def build_teacher(cfg: TrainConfig, tokenizer, device):
-    """The frozen distillation teacher of `distill.teacher` (None without), on `device`. A teacher must use the
-    student's tokenizer: the signal compares log-probs of the same token ids."""
-    if cfg.distill.teacher is None:
-        return None
-    teacher, teacher_tok = load_model(cfg.distill.teacher, seed=cfg.run.seed)
-    if teacher_tok.get_vocab() != tokenizer.get_vocab():
-        raise ValueError(f"distill.teacher ({cfg.distill.teacher.source} {cfg.distill.teacher.path or ''}) has "
-                         "another tokenizer than the student: on-policy distillation compares the log-probs of the "
-                         "same token ids, so teacher and student must share one vocabulary")
-    if cfg.distill.engine == "vllm":
-        return _vllm_teacher(cfg, teacher, teacher_tok)
-    return frozen_copy(teacher.to(device))
-
-
-def _vllm_teacher(cfg: TrainConfig, teacher, tokenizer):
-    """The teacher in its own vLLM engine (distill.engine=vllm): it scores with vLLM's prompt log-probs, the
-    model's distribution at temperature 1 over the whole vocabulary, so the settings that would score another
-    distribution are refused."""
-    if cfg.sampler.temperature != 1.0 or truncation_rule(cfg.sampler).active:
-        raise ValueError(f"distill.engine=vllm scores the teacher at temperature 1 over the whole vocabulary; "
-                         f"sampler.temperature={cfg.sampler.temperature}, top_k={cfg.sampler.top_k}, "
-                         f"top_p={cfg.sampler.top_p}, min_p={cfg.sampler.min_p} need distill.engine=trainer")
-    if cfg.trainer.parallel != "none":
-        raise ValueError(f"distill.engine=vllm serves one trainer process; under trainer.parallel="
-                         f"{cfg.trainer.parallel} use distill.engine=trainer (each rank scores its rows)")
-    scfg = SamplerConfig(backend="vllm", vllm=cfg.sampler.vllm, max_new_tokens=1)
-    return build_vllm_sampler(scfg, teacher, tokenizer, role="teacher")
-
-
-def rebuild_initial_model(cfg: TrainConfig):
-    """(model, tokenizer) with the weights a fresh run of `cfg` starts RL from, built as prepare_run builds them:
-    the run's threads and seed, the model of `model`, the supervised warm-up of `sft_warmup`. Deterministic at
-    a fixed thread count on one CPU model; compare `weights_fingerprint` with the run's record before trusting it."""
-    apply_num_threads(cfg)
-    seed_everything(cfg.run.seed)
-    device = resolve_device(cfg.run.device)
-    task = build_task(cfg.task)
-    model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)
-    model.to(device)
-    sft_warmup(model, tokenizer, task, cfg.sft_warmup, seed=cfg.run.seed,
-               micro_batch_size=cfg.optim.micro_batch_size * 4)
-    return model, tokenizer
 
 
 def _claim_run_folder(cfg: TrainConfig, run_dir: Path, latest: Path | None, resume: bool) -> None:
@@ -595,16 +428,15 @@ def _claim_run_folder(cfg: TrainConfig, run_dir: Path, latest: Path | None, resu
                 shutil.rmtree(run_dir / stale_dir, ignore_errors=True)
 
 
-def _starting_weights(cfg: TrainConfig, run_dir: Path, model, tokenizer, task, device, weights: dict | None,
-                      console: bool) -> tuple[dict[str, float], Any]:
+def _starting_weights(c: Components, run_dir: Path, weights: dict | None, console: bool
+                      ) -> tuple[dict[str, float], Any]:
     """The weights RL starts from and the frozen KL reference (or None): a fresh run runs the SFT warm-up and
     saves checkpoints/initial/ when needed; a resumed run loads the checkpoint's weights and the reference from
     checkpoints/initial/. Returns (SFT metrics, reference model)."""
+    cfg, model, tokenizer = c.cfg, c.model, c.tokenizer
     initial_dir = run_dir / "checkpoints" / "initial"
     if weights is None:
-        log = print if console and cfg.logging.console else None
-        sft_metrics = sft_warmup(model, tokenizer, task, cfg.sft_warmup, seed=cfg.run.seed,
-                                 micro_batch_size=cfg.optim.micro_batch_size * 4, log=log)
+        sft_metrics = c.warm_up(log=print if console and cfg.logging.console else None)
         if cfg.run.save_initial or cfg.kl.coef > 0:
             ckpt.save_checkpoint(run_dir, "initial", model=model, tokenizer=tokenizer, state={}, with_state=False)
         return sft_metrics, (frozen_copy(model) if cfg.kl.coef > 0 else None)
@@ -615,7 +447,7 @@ def _starting_weights(cfg: TrainConfig, run_dir: Path, model, tokenizer, task, d
         raise FileNotFoundError(f"{initial_dir}: the KL reference weights are missing; cannot resume")
     ref_model, _ = load_model(cfg.model, seed=cfg.run.seed)
     ckpt.load_model_weights(ref_model, initial_dir / ckpt.MODEL_DIR)
-    return {}, frozen_copy(ref_model.to(device))
+    return {}, frozen_copy(ref_model.to(c.device))
 
 
 def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resume: bool = False,
@@ -631,42 +463,34 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     if resume:
         if not run_dir.is_dir():
             raise FileNotFoundError(f"--resume: run folder {run_dir} does not exist")
-        _check_resume_target(cfg, run_dir)
+        check_resume_target(cfg, run_dir)
         ckpt.clean_temporary(run_dir)
         if not ckpt.list_checkpoints(run_dir):
-            _refuse_fresh_start_over(run_dir)
+            refuse_fresh_start_over(run_dir)
     elif console and (note := taken_name_note(cfg, run_dir, config_path=config_path)):
         print(note, flush=True)
-    threads = apply_num_threads(cfg)
-    seed_everything(cfg.run.seed)
-    device = resolve_device(cfg.run.device)
-
     # data and model first: bad input fails before a run folder is created
-    task = build_task(cfg.task)
-    if (repeats := task.repeats_warning()) is not None:   # every task source: counted once, in Task
+    c = build_components(cfg)
+    if (repeats := c.task.repeats_warning()) is not None:   # every task source: counted once, in Task
         print(f"warning: {repeats}", file=sys.stderr, flush=True)
-    stream = DataStream(task.train, seed=cfg.run.seed)
-    t0 = time.perf_counter()
-    model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)
-    model.to(device)
-    load_s = time.perf_counter() - t0
+    model, tokenizer, task, stream = c.model, c.tokenizer, c.task, c.stream
     generator = torch.Generator().manual_seed(cfg.run.seed)
-    latest, state, weights, skipped = _find_resume_point(run_dir, model, resume)
-    initial = _recorded_initial_weights(run_dir) if latest is not None else None
+    latest, state, weights, skipped = find_resume_point(run_dir, model, resume)
+    initial = recorded_initial_weights(run_dir) if latest is not None else None
     _claim_run_folder(cfg, run_dir, latest, resume)
-    sft_metrics, ref_model = _starting_weights(cfg, run_dir, model, tokenizer, task, device, weights, console)
+    sft_metrics, ref_model = _starting_weights(c, run_dir, weights, console)
     if weights is None:   # fresh: RL starts here
         initial = {"fingerprint": ckpt.weights_fingerprint(model),
                    "saved": (run_dir / "checkpoints" / "initial" / ckpt.MODEL_DIR).is_dir()}
     del weights
 
-    trainer = Trainer(model, cfg, ref_model=ref_model, teacher=build_teacher(cfg, tokenizer, device))
+    trainer = Trainer(model, cfg, ref_model=ref_model, teacher=build_teacher(cfg, tokenizer, c.device))
     sampler = (build_sampler_fn or build_sampler)(cfg.sampler, model, tokenizer)
     run = Run(cfg=cfg, run_dir=run_dir, model=model, tokenizer=tokenizer, task=task, sampler=sampler,
               trainer=trainer, stream=stream, generator=generator, ref_model=ref_model, sft_metrics=sft_metrics,
-              threads=threads, initial_weights=initial)
+              threads=c.threads, initial_weights=initial)
     run.started, run.started_cpu = t_setup, cpu_setup   # wall time counts model load and warm-up too
-    run.add_time("model_load", load_s)
+    run.add_time("model_load", c.load_s)
     run.resume_skipped = [{"checkpoint": str(p), "reason": why} for p, why in skipped]
     run.started_fresh = resume and latest is None
     if sft_metrics:

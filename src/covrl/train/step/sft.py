@@ -13,7 +13,8 @@ from typing import TYPE_CHECKING
 import torch
 
 from covrl.rollout.types import RolloutBatch
-from covrl.train.step.trainer import forward_response
+from covrl.train.step.micro_step import forward_batch
+from covrl.train.step.optimizer import build_adamw
 
 if TYPE_CHECKING:   # the run's config composes this room's sections: imported for types only
     from covrl.train.config import SFTWarmupConfig
@@ -48,7 +49,8 @@ def sft_warmup(model, tokenizer, task, cfg: SFTWarmupConfig, *, seed: int, micro
         raise ValueError("sft_warmup needs training examples, but the task has none")
     rng = random.Random(seed + 7919)
     params = [p for p in model.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
+    # torch's for-each kernel: the warm-up's weights are a run's recorded starting point (initial_weights)
+    opt = build_adamw(params, lr=cfg.lr, weight_decay=cfg.weight_decay, fused=False)
     pad = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else tokenizer.eos_token_id
     device = params[0].device
     model.train()
@@ -65,7 +67,7 @@ def sft_warmup(model, tokenizer, task, cfg: SFTWarmupConfig, *, seed: int, micro
             batch = demonstration_batch(prompts[s:s + micro_batch_size], answers[s:s + micro_batch_size], pad)
             batch = RolloutBatch(**{k: (v.to(device) if isinstance(v, torch.Tensor) else v)
                                     for k, v in batch.__dict__.items()})
-            fwd = forward_response(model, batch, 1.0, with_stats=False)
+            fwd = forward_batch(model, batch, 1.0, with_stats=False)
             loss = -(fwd.logprobs * batch.response_mask).sum() / total_tokens
             loss.backward()
             step_loss += float(loss.detach())

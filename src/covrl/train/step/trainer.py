@@ -1,27 +1,30 @@
 """One optimisation step on a scored `RolloutBatch`; the algorithm (registry names in the config) is bound once
 per Trainer (`covrl.train.step.algorithm.bind_algorithm`).
 
-`Trainer.step` runs five stages, each a method a reader can take one at a time (docs/theory.md §5–§8):
+`Trainer.step` runs named stages in order, each a method a reader can take one at a time (docs/theory.md §5–§8):
 
-  1. reference   (KL to a reference) its log-probs, no grad; in `reward` mode R_b ← R_b − coef·Σ_t KL_t.
-  2. plan        micro-batches of whole groups (covrl.train.step.micro), and a no-grad pre-pass over the whole
-                 batch where a statistic needs it (a group larger than `optim.micro_batch_size`, or
-                 `correction.is_batch_normalize`).
-  3. accumulate  per micro-batch ONE forward pass gives log p(y_t|c_t) at the sampler's temperature (with grad)
-                 and, detached from the same logits, the entropy and Σπ² (OTB's logit-gradient proxy); then
-                 `rollout_correction` (IS weights, rejection keep-mask), `compute_advantages` (OTB receives the
-                 trainer log-probs, Σπ² and, when enabled, the IS weights), `policy_loss` (+ `score_centering_term`
-                 with the sampler's top-k) (+ KL in the loss), and backward (gradient accumulation). Pairing rule
-                 (declared with each registered loss, `LossSpec.takes_is_weights`): a loss whose ratio is taken
-                 against the sampler (ppo_clip) gets no IS weights; covariance and reinforce get the detached
-                 correction weights. Token losses of kept tokens are aggregated with the FULL batch's mask, so
-                 rejected tokens count in the normaliser (TRM's "full count").
-  4. apply       global-norm clipping; the zero-gradient rule; AdamW with lr = peak · schedule(data clock) ·
-                 length-surge scale.
-  5. metrics     on the full batch, from the advantages and correction the step already computed (per
-                 micro-batch, assembled, or the pre-pass's); the estimator or the correction runs again on the
-                 full batch only where those pieces would not reproduce the full-batch values bit for bit
-                 (`_batch_diagnostics`).
+  1. reference  (KL to a reference) its log-probs, no grad; in `reward` mode R_b ← R_b − coef·Σ_t KL_t; the
+                distillation teacher's log-probs.
+  2. plan       micro-batches of whole groups (covrl.train.step.micro), and whether a pre-pass is needed (a
+                group larger than `optim.micro_batch_size`, or `correction.is_batch_normalize`).
+  3. prepass    (when needed) a no-grad forward over the whole batch: log-probs and Σπ².
+  4. prepare    `rollout_correction` (IS weights, rejection keep-mask) and `compute_advantages` once, on the
+                pre-pass's full batch; without a pre-pass each micro-step prepares its own whole groups from its
+                own forward (OTB receives the trainer log-probs, Σπ² and, when enabled, the IS weights).
+  5. micro-step `covrl.train.step.micro_step.micro_step` per micro-batch: ONE forward pass gives log p(y_t|c_t)
+                at the sampler's temperature (with grad) and, detached from the same logits, the entropy and Σπ²
+                (OTB's logit-gradient proxy); `policy_loss` (+ `score_centering_term` with the sampler's top-k)
+                (+ KL in the loss) as the micro-batch's share of the FULL batch's aggregate (rejected tokens
+                count in the normaliser: TRM's "full count"), backward, and a detached record. Pairing rule
+                (declared with each registered loss, `LossSpec.takes_is_weights`): a loss whose ratio is taken
+                against the sampler (ppo_clip) gets no IS weights; covariance and reinforce get the detached
+                correction weights.
+  6. apply      global-norm clipping; the zero-gradient rule; AdamW with lr = peak · schedule(data clock) ·
+                length-surge scale.
+  7. metrics    on the full batch, once, from the records and the advantages and correction the step already
+                computed (assembled from the micro-steps, or the pre-pass's); the estimator or the correction
+                runs again on the full batch only where those pieces would not reproduce the full-batch values
+                bit for bit (`_batch_diagnostics`).
 
 The trainer does not know whether it runs in a sync or async loop: it only reads the batch.
 
@@ -30,12 +33,14 @@ of whole groups (`covrl.train.parallel.wrappers.shard_rows`); each micro-batch's
 batch's aggregate (times the world size, which DDP's / FSDP2's gradient averaging divides out), so the
 normaliser is global whatever the split; the detached per-token pieces are summed over ranks, so metrics are
 the full batch's; clipping sees the reduced (global) gradient. The rank mechanics (idle micro-batches, the
-reductions, DDP's comm hook) are `Parallel`'s (covrl.train.parallel). docs/distributed.md.
+reductions, the world-size factor of each backward, DDP's comm hook) are `Parallel`'s (covrl.train.parallel),
+wrapped around the micro-step from here. docs/distributed.md.
 """
 
 from __future__ import annotations
 
 import contextlib
+import functools
 import math
 import time
 import warnings
@@ -48,12 +53,9 @@ import torch
 from covrl.diagnostics.noise import GradientNoiseMonitor
 from covrl.diagnostics.tangent import tangent_remainder
 from covrl.math import KL_ESTIMATORS, clamped_log_ratio, constant_groups, kl_estimate
-from covrl.math.truncation import TruncationRule
 from covrl.models.compiled import compile_module, compile_seconds
 from covrl.models.forward import ResponseForward
-from covrl.models.forward import forward_response as forward_response_tokens
 from covrl.models.precision import check_autocast
-from covrl.rollout import truncation_rule
 from covrl.rollout.types import RolloutBatch, ScoredBatch
 from covrl.train.faults import fault_point
 from covrl.train.parallel.shards import ShardIOError
@@ -73,7 +75,6 @@ from covrl.train.step.batch_scaling import LagContext, scaled_lr
 from covrl.train.step.lr_surge import LengthSurgeSchedule
 from covrl.train.step.micro import (
     MicroNorms,
-    fold_micro_metrics,
     groups_of,
     halves,
     mean_over,
@@ -83,6 +84,16 @@ from covrl.train.step.micro import (
     plan_packed,
     trim_columns,
 )
+from covrl.train.step.micro_step import (
+    LossTerms,
+    Prepared,
+    StepPieces,
+    collect,
+    forward_batch,
+    micro_step,
+    truncation_replay,
+)
+from covrl.train.step.optimizer import build_adamw
 from covrl.train.step.results import StepResult
 from covrl.train.step.schedule import lr_factor
 
@@ -101,71 +112,36 @@ class TrainingDivergedError(RuntimeError):
 
 
 @dataclass
-class _Prepared:
-    """Detached advantages, IS weights (None without is_level) and keep-mask of some rows: one micro-batch
-    (from the pre-pass or computed in place) or the whole batch."""
-
-    advantages: torch.Tensor
-    weights: torch.Tensor | None
-    keep: torch.Tensor
-
-    def rows(self, idx: torch.Tensor, width: int) -> _Prepared:
-        return _Prepared(self.advantages[idx][:, :width],
-                         None if self.weights is None else self.weights[idx][:, :width], self.keep[idx][:, :width])
-
-
-@dataclass
-class _Prepass:
-    """The pre-pass over the whole batch: its log-probs and Σπ², the batch-level quantities, and their metrics
-    (correction, then advantages) on those log-probs."""
-
-    logprobs: torch.Tensor
-    sum_pi_sq: torch.Tensor
-    prepared: _Prepared
-    metrics: dict[str, float]
-
-
-@dataclass
 class _Plan:
-    """Stage 2's output: the micro-batches (row lists; None = an idle micro-batch of a rank with fewer), the
-    pre-pass (or None), and whether this step measures the gradient-noise split."""
+    """The micro-batches (row lists; None = an idle micro-batch of a rank with fewer), whether a no-grad pre-pass
+    over the whole batch must come first (a group larger than a micro-batch, or a batch-level statistic), and
+    whether this step measures the gradient-noise split."""
 
     micro_batches: list[list[int] | None]
-    prepass: _Prepass | None
+    needs_prepass: bool
     measure_noise: bool
 
 
 @dataclass
-class _Accumulated:
-    """Stage 3's output: the gradients are in .grad; the detached per-token pieces of the full batch, the loss
-    and its metrics, the micro-batch gradient norms (noise split), and why the step must be skipped (or None)."""
+class _Prepass:
+    """The pre-pass over the whole batch: its log-probs and Σπ², then (`Trainer._prepare_batch`) the correction
+    and advantages on them, once, and their metrics (correction, then advantages)."""
 
     logprobs: torch.Tensor
-    entropy: torch.Tensor
     sum_pi_sq: torch.Tensor
-    pieces: _Prepared | None
-    loss: float = 0.0
+    prepared: Prepared | None = None
     metrics: dict[str, float] = field(default_factory=dict)
+
+
+@dataclass
+class _Accumulated:
+    """The micro-steps' output: the gradients are in .grad; their records assembled over the full batch (per-token
+    pieces, loss, loss metrics, why the step must be skipped), the micro-batch gradient norms (noise split)."""
+
+    pieces: StepPieces
     norms: MicroNorms | None = None
-    truncation: dict[str, torch.Tensor] | None = None   # per token: log kept mass, count mismatch, drawn outside
-    bad: str | None = None
     started: float = 0.0          # perf_counter() when the first micro-batch began (time/forward_backward)
     compile_s: float = 0.0        # of which torch.compile (trainer.compile)
-
-
-def forward_response(model, batch: RolloutBatch, temperature: float, *, with_stats: bool = True,
-                     topk_ids: torch.Tensor | None = None, share_prompts: bool = True,
-                     autocast: str = "none", truncation: TruncationRule | None = None,
-                     replay: bool = False, packing: bool = False) -> ResponseForward:
-    """Trainer log-probs (and detached entropy / Σπ², optional top-k log-probs) of the response tokens of
-    `batch` in one forward pass: covrl.models.forward.forward_response on the batch's tensors (`autocast`:
-    trainer.autocast; the log-probs are fp32 either way). `truncation`: the sampler's rule, whose kept sets
-    (the batch's `sampler_kept` sizes where the sampler recorded them) are measured, and with `replay`
-    applied (docs/theory.md §12)."""
-    return forward_response_tokens(model, batch.prompt_ids, batch.prompt_mask, batch.response_ids,
-                                   batch.response_mask, temperature, with_stats=with_stats, topk_ids=topk_ids,
-                                   share_prompts=share_prompts, autocast=autocast, truncation=truncation,
-                                   replay=replay, kept_counts=batch.sampler_kept, packing=packing)
 
 
 class Trainer:
@@ -189,9 +165,7 @@ class Trainer:
         self.params = [p for p in model.parameters() if p.requires_grad]
         if not self.params:
             raise ValueError("the model has no trainable parameters (requires_grad=False everywhere)")
-        o = cfg.optim
-        self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                           weight_decay=o.weight_decay, **_fused_if_supported(self.params))
+        self.optimizer = self._build_optimizer()
         self.surge = LengthSurgeSchedule(cfg.lr_surge, rollouts_per_step=cfg.loop.rollouts_per_step)
         self.noise = GradientNoiseMonitor() if cfg.logging.noise_scale else None
         if self.noise is not None and cfg.trainer.parallel == "fsdp2":   # a config changed after validation
@@ -199,14 +173,12 @@ class Trainer:
         self.parallel: Parallel | None = None   # wrapped at the first step (a collective: all ranks step)
         self.leader = None    # rank 0 of a run: a Channel that sends each batch to the other ranks
         self._pending_shards: str | None = None   # fsdp2 resume: a dcp/ folder, loaded once the model is sharded
-        self._hooked: MicroNorms | None = None   # ddp: read by the comm hook during the synced backward
         self.temperature = float(cfg.sampler.temperature)
-        rule = truncation_rule(cfg.sampler)
-        self.truncation = rule if rule.active else None   # the sampler's kept sets: measured, and replayed unless
-        self.replay = self.truncation is not None and cfg.trainer.truncation != "full"   # trainer.truncation=full
+        # the sampler's kept sets: measured, and replayed unless trainer.truncation=full
+        self.truncation, self.replay = truncation_replay(cfg.sampler, cfg.trainer.truncation)
         if self.truncation is not None and not self.replay:
-            warnings.warn(f"sampler {rule} truncates and trainer.truncation=full: every ratio pi/q carries the "
-                          "kept mass S_t (E_q[pi/q] = S_t < 1), so IS weights, rejection and the mismatch metrics "
+            warnings.warn(f"sampler {self.truncation} truncates and trainer.truncation=full: every ratio pi/q "
+                          "carries the kept mass S_t (E_q[pi/q] = S_t < 1), so IS weights, rejection and the mismatch metrics "
                           "are biased; trainer.truncation=replay makes them exact (docs/theory.md §12)", stacklevel=2)
         check_autocast(cfg.trainer.autocast, self.params[0].device)   # warns where bf16 would be emulated
         self.rollouts = 0
@@ -265,11 +237,14 @@ class Trainer:
         own = None if self.parallel is None else shard_rows(batch.group_ids, self.parallel.world, self.parallel.rank)
         rewards, ref_lp = self._reference(batch, own, metrics)
         teacher_lp = None if self.teacher is None else self._teacher_logprobs(batch, own)
-        plan = self._plan(batch, rewards, own)
-        acc = self._accumulate(batch, rewards, ref_lp, plan, teacher_lp)
-        if acc.bad is not None:
+        plan = self._plan(batch, own)
+        prepass = self._prepass(batch, own) if plan.needs_prepass else None
+        if prepass is not None:   # else each micro-step prepares its own whole groups
+            self._prepare_batch(batch, rewards, prepass)
+        acc = self._micro_steps(batch, rewards, ref_lp, teacher_lp, plan, prepass)
+        if acc.pieces.bad is not None:
             self.optimizer.zero_grad(set_to_none=True)
-            return self._skip(metrics, acc.bad, t_start)
+            return self._skip(metrics, acc.pieces.bad, t_start)
         t_opt = time.perf_counter()
         grad_norm, no_signal = self._apply(lr)
         if grad_norm is None:
@@ -277,9 +252,9 @@ class Trainer:
         t_end = time.perf_counter()
         if self.cfg.trainer.compile:   # included in time/forward_backward; apart so that later steps read honestly
             metrics["time/compile_s"] = acc.compile_s
-        self._metrics(metrics, batch, rewards, acc, plan, grad_norm, no_signal)
+        self._metrics(metrics, batch, rewards, acc, prepass, grad_norm, no_signal)
         if teacher_lp is not None:
-            metrics.update(_distill_metrics(acc.logprobs, teacher_lp, batch.train_mask.float()))
+            metrics.update(_distill_metrics(acc.pieces.logprobs, teacher_lp, batch.train_mask.float()))
         metrics.update({"time/forward_backward": t_opt - acc.started, "time/optimizer": t_end - t_opt,
                         "time/trainer_step": t_end - t_start,
                         "train_tokens_per_s": float(mask.sum()) / max(t_end - t_start, 1e-9)})
@@ -331,17 +306,16 @@ class Trainer:
             idx = mine[s:s + size]
             mb = trim_columns(batch.select(idx))
             # the reference in the trainer's precision: at the start (policy = reference) their KL is exactly 0
-            fwd = forward_response(model, mb, self.temperature, with_stats=False,
-                                   share_prompts=self.cfg.optim.share_prompts, autocast=self.cfg.trainer.autocast,
-                                   truncation=self.truncation if self.replay else None, replay=self.replay,
-                                   packing=self.cfg.trainer.packing)
+            fwd = forward_batch(model, mb, self.temperature, with_stats=False,
+                               share_prompts=self.cfg.optim.share_prompts, autocast=self.cfg.trainer.autocast,
+                               truncation=self.truncation if self.replay else None, replay=self.replay,
+                               packing=self.cfg.trainer.packing)
             out[idx] = pad_cols(fwd.logprobs.float(), width)
         return out if own is None else self.parallel.all_reduce(out)
 
     # ------------------------------------------------------------------------------------- stage 2: plan
-    def _plan(self, batch: RolloutBatch, rewards: torch.Tensor, own: list[int] | None) -> _Plan:
-        """The micro-batches (of this rank's rows `own` when distributed) and the pre-pass when a batch-level
-        statistic needs one."""
+    def _plan(self, batch: RolloutBatch, own: list[int] | None) -> _Plan:
+        """The micro-batches (of this rank's rows `own` when distributed) and whether a pre-pass must come first."""
         alg = self.algorithm
         measure_noise = self._measures_noise()
         if self.cfg.trainer.packing:   # by tokens, not rows: whole groups always (a large group goes alone)
@@ -358,18 +332,17 @@ class Trainer:
         micro_batches: list[list[int] | None] = list(rows)
         if self.parallel is not None:
             micro_batches = self.parallel.pad_plan(micro_batches)
-        prepass = self._prepass(batch, rewards, own) if not aligned or alg.needs_batch_statistics else None
         if alg.score_centering and (batch.sampler_topk_ids is None or batch.sampler_topk_logprobs is None):
             raise ValueError("algorithm.score_centering needs the sampler's top-k (batch.sampler_topk_ids/"
                              "sampler_topk_logprobs); set sampler.return_topk > 0")
-        return _Plan(micro_batches, prepass, measure_noise)
+        return _Plan(micro_batches, not aligned or alg.needs_batch_statistics, measure_noise)
 
+    # ---------------------------------------------------------------------------------- stage 3: prepass
     @torch.no_grad()
-    def _prepass(self, batch: RolloutBatch, rewards: torch.Tensor, own: list[int] | None = None) -> _Prepass:
+    def _prepass(self, batch: RolloutBatch, own: list[int] | None = None) -> _Prepass:
         """No-grad forward over the whole batch for batch-level statistics (groups split over micro-batches or
-        batch-normalised IS weights). Distributed: each rank forwards its rows `own`, the log-probs and Σπ² are
-        summed over ranks, and every rank computes the statistics on the full batch."""
-        alg = self.algorithm
+        batch-normalised IS weights). Distributed: each rank forwards its rows `own` and the log-probs and Σπ²
+        are summed over ranks."""
         par = self.parallel
         rows, width = batch.response_ids.shape
         device = batch.response_ids.device
@@ -383,115 +356,33 @@ class Trainer:
         for chunk in chunks:
             idx = torch.as_tensor([0] if chunk is None else chunk, dtype=torch.long, device=device)
             mb = trim_columns(batch.select(idx))
-            fwd = forward_response(self.model, mb, self.temperature, share_prompts=self._share_prompts(),
-                                   autocast=self.cfg.trainer.autocast, truncation=self.truncation if self.replay
-                                   else None, replay=self.replay, packing=self.cfg.trainer.packing)
+            fwd = forward_batch(self.model, mb, self.temperature, share_prompts=self._share_prompts(),
+                                autocast=self.cfg.trainer.autocast, truncation=self.truncation if self.replay
+                                else None, replay=self.replay, packing=self.cfg.trainer.packing)
             if chunk is not None:
                 lp[idx] = pad_cols(fwd.logprobs.float(), width)
                 sps[idx] = pad_cols(fwd.sum_pi_sq, width)
         if par is not None:
             both = par.all_reduce(torch.stack([lp, sps]))
             lp, sps = both[0], both[1]
+        return _Prepass(lp, sps)
+
+    # ---------------------------------------------------------------------------------- stage 4: prepare
+    def _prepare_batch(self, batch: RolloutBatch, rewards: torch.Tensor, prepass: _Prepass) -> None:
+        """Correction and advantages once, on the full batch's pre-pass log-probs (every rank alike), with their
+        metrics, into `prepass`."""
+        alg = self.algorithm
         mask = batch.train_mask.float()
-        corr = alg.correct(lp, batch.sampler_logprobs.float(), mask)
+        corr = alg.correct(prepass.logprobs, batch.sampler_logprobs.float(), mask)
         weights = alg.is_weights(corr)
-        adv = alg.advantages(rewards=rewards, mask=mask, group_ids=batch.group_ids, logprobs=lp, sum_pi_sq=sps,
-                             is_weights=weights)
-        return _Prepass(lp, sps, _Prepared(adv.advantages, weights, corr.keep), {**corr.metrics, **adv.metrics})
+        adv = alg.advantages(rewards=rewards, mask=mask, group_ids=batch.group_ids, logprobs=prepass.logprobs,
+                             sum_pi_sq=prepass.sum_pi_sq, is_weights=weights)
+        prepass.prepared = Prepared(adv.advantages, weights, corr.keep)
+        prepass.metrics = {**corr.metrics, **adv.metrics}
 
-    # ------------------------------------------------------------------------------- stage 3: accumulate
-    def _accumulate(self, batch: RolloutBatch, rewards: torch.Tensor, ref_lp: torch.Tensor | None,
-                    plan: _Plan, teacher_lp: torch.Tensor | None = None) -> _Accumulated:
-        """Forward and backward every micro-batch; the gradient of the full-batch loss accumulates in .grad."""
-        cfg, alg, par = self.cfg, self.algorithm, self.parallel
-        rows, width = batch.response_ids.shape
-        device = batch.response_ids.device
-        mask = batch.train_mask.float()
-        self.optimizer.zero_grad(set_to_none=True)
-        full_lp = torch.zeros((rows, width), dtype=torch.float32, device=device)
-        prepass = plan.prepass
-        # the per-micro-batch advantages / IS weights / keep-mask, assembled for the step's metrics
-        pieces = None if prepass is not None else _Prepared(
-            torch.zeros_like(full_lp), torch.zeros_like(full_lp) if alg.uses_is_weights else None,
-            torch.zeros_like(full_lp))
-        acc = _Accumulated(full_lp, torch.zeros_like(full_lp), torch.zeros_like(full_lp), pieces,
-                           norms=MicroNorms(self.params, alg.agg_mode) if plan.measure_noise else None,
-                           truncation=None if self.truncation is None else {
-                               k: torch.zeros_like(full_lp) for k in _TRUNCATION_PIECES})
-        fmodel = self.model if par is None else par.module
-        share_prompts = self._share_prompts()
-        compiling = cfg.trainer.compile
-        if compiling:   # the shared-prompt pass re-compiles at every shape: the per-row pass, one graph
-            fmodel, share_prompts = self._compiled_model(), False
-        compile_before = compile_seconds() if compiling else 0.0
-        acc.started = time.perf_counter()
-        last = len(plan.micro_batches) - 1
-        for k, index in enumerate(plan.micro_batches):
-            # idle: a rank with fewer micro-batches than the others backwards a zero loss on row 0, so that
-            # DDP / FSDP2 see the same sequence of (synced) backward passes on every rank
-            idle = index is None
-            idx = torch.as_tensor([0] if idle else index, dtype=torch.long, device=device)
-            mb = trim_columns(batch.select(idx))
-            with contextlib.nullcontext() if par is None else par.gradient_sync(k == last):
-                fwd = forward_response(fmodel, mb, self.temperature, share_prompts=share_prompts,
-                                       topk_ids=mb.sampler_topk_ids if alg.score_centering else None,
-                                       autocast=cfg.trainer.autocast, truncation=self.truncation,
-                                       replay=self.replay, packing=cfg.trainer.packing)
-                t = mb.response_ids.shape[1]
-                mb_rewards = rewards[idx] if rewards.dim() == 1 else rewards[idx][:, :t]
-                if prepass is None:
-                    prep = self._prepare(mb, fwd, mb_rewards)
-                    if not idle:
-                        pieces.advantages[idx] = pad_cols(prep.advantages, width)
-                        pieces.keep[idx] = pad_cols(prep.keep, width)
-                        if prep.weights is not None:
-                            pieces.weights[idx] = pad_cols(prep.weights, width)
-                else:
-                    prep = prepass.prepared.rows(idx, t)
-                if not idle:
-                    acc.logprobs[idx] = pad_cols(fwd.logprobs.detach(), width)
-                    acc.entropy[idx] = pad_cols(fwd.entropy, width)
-                    acc.sum_pi_sq[idx] = pad_cols(fwd.sum_pi_sq, width)
-                    if acc.truncation is not None:
-                        for key, piece in zip(_TRUNCATION_PIECES, (fwd.truncation.log_kept_mass,
-                                                                   fwd.truncation.count_mismatch,
-                                                                   fwd.truncation.sampled_outside)):
-                            acc.truncation[key][idx] = pad_cols(piece.float(), width)
-                mb_ref = None if ref_lp is None else ref_lp[idx][:, :t]
-                if teacher_lp is not None:   # the learning signal of on-policy distillation, per token
-                    prep = self._distilled(prep, fwd, teacher_lp[idx][:, :t], mb.train_mask.float())
-                loss, mb_metrics = self._micro_loss(mb, fwd, prep, mb_ref, idx, mask)
-                if idle:
-                    loss = loss * 0.0
-                elif not torch.isfinite(loss):
-                    reason = f"non-finite loss ({float(loss.detach())}) in a micro-batch of {len(index)} rows"
-                    if par is None:
-                        acc.bad = reason
-                        return acc
-                    acc.bad = acc.bad or reason   # the other ranks wait in this step's collectives: skip together
-                # ddp's synced micro-batch: its contribution is read in the comm hook, before the all-reduce
-                hooked = acc.norms is not None and par is not None and k == last
-                if acc.norms is not None and not idle:
-                    acc.norms.before_backward()
-                    self._hooked = acc.norms if hooked else None
-                # world size x: DDP / FSDP2 average the ranks' gradients, the loss shares must add up
-                (loss if par is None else loss * par.world).backward()
-                self._hooked = None
-            if acc.norms is not None and not idle:
-                acc.norms.after_backward(mb.train_mask, hooked=hooked)
-            fault_point("backward")  # reliability tests: COVRL_FAULT (no-op otherwise)
-            acc.loss += 0.0 if idle else float(loss.detach())
-            share = 0.0 if idle else float(mb.train_mask.sum()) / float(mask.sum())   # idle: keys, no weight
-            fold_micro_metrics(acc.metrics, mb_metrics, share, idle or share == 0.0)   # no tokens: no extremes
-        if par is not None:
-            self._reduce_over_ranks(acc)
-        if compiling:
-            acc.compile_s = compile_seconds() - compile_before
-        return acc
-
-    def _prepare(self, mb: RolloutBatch, fwd: ResponseForward, rewards: torch.Tensor) -> _Prepared:
-        """Correction and advantages of a micro-batch that holds whole groups (their metrics come later, once,
-        on the full batch)."""
+    def _prepare(self, mb: RolloutBatch, fwd: ResponseForward, rewards: torch.Tensor) -> Prepared:
+        """Correction and advantages of a micro-batch that holds whole groups, on its own forward's log-probs
+        (their metrics come later, once, on the full batch)."""
         alg = self.algorithm
         mask = mb.train_mask.float()
         lp = fwd.logprobs.detach()
@@ -499,20 +390,106 @@ class Trainer:
         weights = alg.is_weights(corr)
         adv = alg.advantages(rewards=rewards, mask=mask, group_ids=mb.group_ids, logprobs=lp,
                              sum_pi_sq=fwd.sum_pi_sq, is_weights=weights, with_metrics=False)
-        return _Prepared(adv.advantages, weights, corr.keep)
+        return Prepared(adv.advantages, weights, corr.keep)
 
-    def _distilled(self, prep: _Prepared, fwd: ResponseForward, teacher_lp: torch.Tensor, mask: torch.Tensor
-                   ) -> _Prepared:
+    # ------------------------------------------------------------------------------- stage 5: micro-steps
+    def _micro_steps(self, batch: RolloutBatch, rewards: torch.Tensor, ref_lp: torch.Tensor | None,
+                    teacher_lp: torch.Tensor | None, plan: _Plan, prepass: _Prepass | None) -> _Accumulated:
+        """`micro_step` on every micro-batch: the gradient of the full-batch loss accumulates in .grad; the
+        records are assembled over the full batch (and summed over ranks)."""
+        cfg, alg, par = self.cfg, self.algorithm, self.parallel
+        rows, width = batch.response_ids.shape
+        device = batch.response_ids.device
+        mask = batch.train_mask.float()
+        self.optimizer.zero_grad(set_to_none=True)
+        norms = MicroNorms(self.params, alg.agg_mode) if plan.measure_noise else None
+        fmodel = self.model if par is None else par.module
+        share_prompts = self._share_prompts()
+        compiling = cfg.trainer.compile
+        if compiling:   # the shared-prompt pass re-compiles at every shape: the per-row pass, one graph
+            fmodel, share_prompts = self._compiled_model(), False
+        compile_before = compile_seconds() if compiling else 0.0
+        forward = functools.partial(self._forward, fmodel, share_prompts=share_prompts)
+        loss = functools.partial(self._micro_loss, ref_lp=ref_lp, teacher_lp=teacher_lp, full_mask=mask)
+        started = time.perf_counter()
+        records = []
+        last = len(plan.micro_batches) - 1
+        for k, index in enumerate(plan.micro_batches):
+            # idle: a rank with fewer micro-batches than the others backwards a zero loss on row 0, so that
+            # DDP / FSDP2 see the same sequence of (synced) backward passes on every rank
+            idle = index is None
+            idx = torch.as_tensor([0] if idle else index, dtype=torch.long, device=device)
+            mb = trim_columns(batch.select(idx))
+            t = mb.response_ids.shape[1]
+            if prepass is not None:
+                prepare = prepass.prepared.rows(idx, t)
+            else:
+                prepare = functools.partial(self._prepare, rewards=rewards[idx] if rewards.dim() == 1
+                                            else rewards[idx][:, :t])
+            with contextlib.nullcontext() if par is None else par.gradient_sync(k == last):
+                # distributed: a non-finite loss is still backwarded (the other ranks wait in this step's
+                # collectives) and the ranks skip the step together
+                rec = micro_step(mb, idx, forward=forward, prepare=prepare, loss=loss, tokens=mb.train_mask,
+                                 full_mask=mask, backward=self._backward(norms, mb, idle, synced=k == last),
+                                 idle=idle, backward_bad=par is not None)
+            records.append(rec)
+            if rec.bad is not None and par is None:
+                break
+            fault_point("backward")  # reliability tests: COVRL_FAULT (no-op otherwise)
+        acc = _Accumulated(collect(records, rows, width, device, prepared=prepass is None,
+                                   weights=alg.uses_is_weights, truncation=self.truncation is not None),
+                           norms=norms, started=started)
+        if par is not None:
+            self._reduce_over_ranks(acc)
+        if compiling:
+            acc.compile_s = compile_seconds() - compile_before
+        return acc
+
+    def _forward(self, model, mb: RolloutBatch, *, share_prompts: bool) -> ResponseForward:
+        """The micro-step's forward: log-probs with grad at the sampler's temperature, the kept sets measured
+        (replayed unless trainer.truncation=full), the sampler's top-k with score centring."""
+        cfg = self.cfg
+        return forward_batch(model, mb, self.temperature, share_prompts=share_prompts,
+                             topk_ids=mb.sampler_topk_ids if self.algorithm.score_centering else None,
+                             autocast=cfg.trainer.autocast, truncation=self.truncation, replay=self.replay,
+                             packing=cfg.trainer.packing)
+
+    def _backward(self, norms: MicroNorms | None, mb: RolloutBatch, idle: bool, *, synced: bool):
+        """The micro-step's backward: one process's plain backward, or the ranks' (`Parallel.backward`); with the
+        noise split, the micro-batch's gradient contribution measured around it (under DDP the synced
+        micro-batch's own is read in the comm hook, before the all-reduce)."""
+        par = self.parallel
+        measured = norms is not None and not idle
+        hooked = norms is not None and par is not None and synced
+
+        def backward(loss: torch.Tensor) -> None:
+            if measured:
+                norms.before_backward()
+            if par is None:
+                loss.backward()
+            else:
+                par.backward(loss, local_gradients=norms if measured and hooked else None)
+            if measured:
+                norms.after_backward(mb.train_mask, hooked=hooked)
+
+        return backward
+
+    def _distilled(self, prep: Prepared, fwd: ResponseForward, teacher_lp: torch.Tensor, mask: torch.Tensor
+                   ) -> Prepared:
         """A_t = coef·(log p_teacher(y_t) − log π(y_t)) + reward_weight·A_task_t: minus the per-token reverse KL
         to the teacher (no reward-to-go: each token answers for its own divergence), detached."""
         d = self.cfg.distill
         signal = d.coef * (teacher_lp - fwd.logprobs.detach()) * mask
         return replace(prep, advantages=d.reward_weight * prep.advantages + signal)
 
-    def _micro_loss(self, mb: RolloutBatch, fwd: ResponseForward, prep: _Prepared, ref_lp: torch.Tensor | None,
-                    idx: torch.Tensor, full_mask: torch.Tensor) -> tuple[torch.Tensor, dict[str, float]]:
+    def _micro_loss(self, mb: RolloutBatch, idx: torch.Tensor, fwd: ResponseForward, prep: Prepared, *,
+                    ref_lp: torch.Tensor | None, teacher_lp: torch.Tensor | None, full_mask: torch.Tensor
+                    ) -> LossTerms:
         """This micro-batch's share of the full batch's loss (policy + score centring + KL) and its metrics."""
         alg = self.algorithm
+        t = mb.response_ids.shape[1]
+        if teacher_lp is not None:   # the learning signal of on-policy distillation, per token
+            prep = self._distilled(prep, fwd, teacher_lp[idx][:, :t], mb.train_mask.float())
         out = alg.policy_loss(logprobs=fwd.logprobs, sampler_logprobs=mb.sampler_logprobs.float(),
                               advantages=prep.advantages, mask=prep.keep, is_weights=prep.weights)
         loss = micro_batch_share(out.token_loss, idx, full_mask, alg.aggregate)
@@ -529,25 +506,22 @@ class Trainer:
         kl = self.cfg.kl
         if ref_lp is not None and kl.mode == "loss":
             mask = mb.train_mask.float()
-            k = kl_estimate(fwd.logprobs, ref_lp, kl.kind, straight_through=kl.straight_through) * mask
+            k = kl_estimate(fwd.logprobs, ref_lp[idx][:, :t], kl.kind, straight_through=kl.straight_through) * mask
             kl_loss = kl.coef * micro_batch_share(k, idx, full_mask, alg.aggregate)
             loss = loss + kl_loss
             metrics["loss/kl"] = float(kl_loss.detach())
-        return loss, metrics
+        return LossTerms(loss, metrics)
 
     def _reduce_over_ranks(self, acc: _Accumulated) -> None:
         """The full batch's pieces, loss and metrics from every rank's share; the noise split's norms of every
         rank's micro-batches."""
-        tensors = [acc.logprobs, acc.entropy, acc.sum_pi_sq, *(acc.truncation or {}).values()]
-        if acc.pieces is not None:
-            tensors += [acc.pieces.advantages, acc.pieces.keep] + (
-                [] if acc.pieces.weights is None else [acc.pieces.weights])
-        acc.loss, acc.bad, acc.metrics = self.parallel.reduce_step_pieces(tensors, acc.loss, acc.bad, acc.metrics)
+        p = acc.pieces
+        p.loss, p.bad, p.metrics = self.parallel.reduce_step_pieces(p.tensors(), p.loss, p.bad, p.metrics)
         if acc.norms is not None:   # every rank's micro-batches are the small batches of the noise estimate
             acc.norms.rescale_gathered(self.parallel.gather_objects((acc.norms.norms_sq, acc.norms.sizes)),
                                        self.parallel.world)
 
-    # ------------------------------------------------------------------------------------ stage 4: apply
+    # ------------------------------------------------------------------------------------ stage 6: apply
     def _apply(self, lr: float) -> tuple[float | None, Any]:
         """Clip to the global gradient norm and step AdamW at `lr` (the new policy version), unless the
         gradient is exactly zero under `optim.skip_zero_gradient`. Returns (grad norm, no_signal), or
@@ -572,15 +546,16 @@ class Trainer:
         self.bad_steps = 0
         return grad_norm, no_signal
 
-    # ---------------------------------------------------------------------------------- stage 5: metrics
+    # ---------------------------------------------------------------------------------- stage 7: metrics
     def _metrics(self, metrics: dict[str, float], batch: RolloutBatch, rewards: torch.Tensor, acc: _Accumulated,
-                 plan: _Plan, grad_norm: float, no_signal: bool) -> None:
-        """The step's metrics on the full batch, into `metrics`."""
-        metrics.update(acc.metrics)
-        metrics.update(self._batch_diagnostics(batch, rewards, acc.logprobs, acc.entropy, acc.sum_pi_sq,
-                                               acc.pieces, plan.prepass))
-        if acc.truncation is not None:
-            metrics.update(self._truncation_metrics(batch, acc.truncation))
+                 prepass: _Prepass | None, grad_norm: float, no_signal: bool) -> None:
+        """The step's metrics on the full batch, into `metrics`, from the micro-steps' records (and the pre-pass)."""
+        p = acc.pieces
+        metrics.update(p.metrics)
+        metrics.update(self._batch_diagnostics(batch, rewards, p.logprobs, p.entropy, p.sum_pi_sq, p.prepared,
+                                               prepass))
+        if p.truncation is not None:
+            metrics.update(self._truncation_metrics(batch, p.truncation))
         if self.noise is not None:
             norms = acc.norms
             metrics.update(self.noise.update(grad_norm_sq=grad_norm ** 2,
@@ -588,13 +563,13 @@ class Trainer:
                                              micro_batch_sizes=None if norms is None else norms.sizes,
                                              micro_scaled=True))
         metrics.update({
-            "loss": acc.loss, "grad_norm": grad_norm, "skipped": 0.0, "no_signal_step": float(no_signal),
+            "loss": p.loss, "grad_norm": grad_norm, "skipped": 0.0, "no_signal_step": float(no_signal),
             "no_signal_steps": float(self.no_signal_steps), "policy_version": float(self.version),
             "rollouts": float(self.rollouts),
         })
 
     def _batch_diagnostics(self, batch: RolloutBatch, rewards: torch.Tensor, lp: torch.Tensor, ent: torch.Tensor,
-                           sps: torch.Tensor, pieces: _Prepared | None, prepass: _Prepass | None) -> dict[str, float]:
+                           sps: torch.Tensor, pieces: Prepared | None, prepass: _Prepass | None) -> dict[str, float]:
         """Full-batch metrics from the detached per-token quantities of the step (no extra forward) and the
         correction / advantages it computed: `pieces` assembled from whole-group micro-batches, or the pre-pass.
 
@@ -691,22 +666,19 @@ class Trainer:
         if self.ref_model is not None:   # replicated, not sharded: frozen, no gradients or optimizer state to split
             self.parallel.broadcast_module(self.ref_model)   # rank 0's reference (its warm-up or checkpoint)
         if self.parallel.mode == "ddp" and self.noise is not None:
-            self.parallel.watch_local_gradients(self._read_local_gradients)
-        if fsdp2:   # fully_shard replaced the parameters (DTensor shards)
-            o = self.cfg.optim
+            self.parallel.watch_local_gradients()
+        if fsdp2:   # fully_shard replaced the parameters (DTensor shards): the for-each kernel
             self.params = [p for p in self.model.parameters() if p.requires_grad]
-            self.optimizer = torch.optim.AdamW(self.params, lr=o.lr, betas=tuple(o.betas), eps=o.eps,
-                                               weight_decay=o.weight_decay)
+            self.optimizer = self._build_optimizer(fused=False)
             if self._pending_shards is not None:   # each rank reads its own shards of weights and moments
                 load_sharded(self.model, self.optimizer, self._pending_shards, alone=False)
                 self._pending_shards = None
             elif carried is not None:
                 apply_optimizer_state(self.model, self.optimizer, carried)
 
-    def _read_local_gradients(self, bucket) -> None:
-        """DDP (with logging.noise_scale): the synced micro-batch's local gradients feed the noise split."""
-        if self._hooked is not None:
-            self._hooked.from_bucket(bucket)
+    def _build_optimizer(self, fused: bool | None = None) -> torch.optim.AdamW:
+        o = self.cfg.optim
+        return build_adamw(self.params, lr=o.lr, betas=o.betas, eps=o.eps, weight_decay=o.weight_decay, fused=fused)
 
     @property
     def sharded(self) -> bool:
@@ -809,12 +781,6 @@ def _clip_grad_norm(params: list[torch.Tensor], max_norm: float) -> float:
     return float(norm)
 
 
-def _fused_if_supported(params) -> dict[str, bool]:
-    """The fused AdamW kernel (one pass over each tensor) when every parameter is a float tensor on CPU/CUDA."""
-    ok = all(p.is_floating_point() and p.device.type in ("cpu", "cuda") for p in params)
-    return {"fused": True} if ok else {}
-
-
 def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     """Batch tensors on `device`; tensors made under inference_mode (by a sampler) become normal tensors so
     autograd may save them."""
@@ -830,8 +796,6 @@ def _distill_metrics(lp: torch.Tensor, teacher_lp: torch.Tensor, mask: torch.Ten
     return {"distill/reverse_kl": float(d.sum(1).mean()), "distill/token_kl": mean_over(lp - teacher_lp, mask),
             "distill/teacher_logprob": mean_over(teacher_lp, mask)}
 
-
-_TRUNCATION_PIECES = ("log_kept_mass", "count_mismatch", "sampled_outside")
 _TANGENT_KEYS = ("tangent", "remainder", "gain", "kl_seq", "bound", "bound_ratio")
 
 
