@@ -4,7 +4,7 @@ The commands run in a copy of the checkout (its tracked files, committed into a 
 order, with `.venv/bin` first on PATH as the README's install line puts it. Each must exit 0 and leave
 `git status` clean: nothing a newcomer types may rewrite a tracked file. What changes is only the size of the
 run: the SmolLM2 config becomes the tiny model, every run takes 2 steps, a benchmark its quick variant. A
-command that needs what this machine lacks (vLLM's own venv, a Ray cluster, a GPU) is not run, and must say so
+command that needs what a 2-core CPU test box lacks (vLLM's own venv, a Ray cluster, a GPU) is not run, and must say so
 in its comment on the README line."""
 
 from __future__ import annotations

@@ -39,7 +39,7 @@ def configure(parser: argparse.ArgumentParser) -> None:
                              "default: the tiny preset for base_model 'tiny', the default SmolLM2 run otherwise")
     parser.add_argument("--port", type=int, default=8765, help="port to listen on (0: any free port)")
     parser.add_argument("--host", default="127.0.0.1",
-                        help="address to listen on (default 127.0.0.1: this machine only); any other address "
+                        help="address to listen on (default 127.0.0.1: loopback only); any other address "
                              "needs --keys, and a TLS-terminating proxy in front (docs/api.md, Serving a team)")
     parser.add_argument("--dir", default="runs/tinker-serve",
                         help="where the training clients keep their checkpoints (a folder per client; with keys "
@@ -121,13 +121,13 @@ def check_address(host: str, port: int) -> None:
     except (OverflowError, ValueError) as err:
         raise ValueError(f"--port {port}: not a port number (0 to 65535; 0 picks a free one)") from err
     except socket.gaierror as err:
-        raise ValueError(f"--host {host!r}: not an IPv4 address or a host name this machine resolves "
-                         f"({err.strerror}); use 127.0.0.1 (this machine only) or an address of one of its network "
+        raise ValueError(f"--host {host!r}: not an IPv4 address or a host name that resolves here "
+                         f"({err.strerror}); use 127.0.0.1 (loopback only) or an address of one of its network "
                          "interfaces") from err
     except OSError as err:
         text = {errno.EADDRINUSE: f"--port {port}: already in use on {host} (another server listens there); choose "
                                   "another port, or --port 0 for any free one",
-                errno.EADDRNOTAVAIL: f"--host {host!r}: not an address of this machine; use 127.0.0.1 (this machine "
+                errno.EADDRNOTAVAIL: f"--host {host!r}: not an address of this host; use 127.0.0.1 (loopback "
                                      "only) or an address of one of its network interfaces",
                 errno.EACCES: f"--port {port}: permission denied (ports below 1024 need root); choose a port from "
                               "1024 up"}.get(err.errno, f"cannot listen on {host}:{port}: {err.strerror or err}")
@@ -150,7 +150,7 @@ def run(args: argparse.Namespace) -> int:
         keys = read_keys(args.keys, os.environ.get(KEYS_ENV))
         check_address(args.host, args.port)
         if not keys and not _is_loopback(args.host):
-            raise ValueError(f"--host {args.host!r}: listening beyond this machine needs API keys (--keys FILE or "
+            raise ValueError(f"--host {args.host!r}: listening beyond loopback needs API keys (--keys FILE or "
                              f"${KEYS_ENV}: 'alice: tml-...'), and a TLS-terminating proxy in front of the server "
                              "(docs/api.md, Serving a team); or listen on 127.0.0.1")
         for folder in args.models_dir:

@@ -416,14 +416,20 @@ class TrainingClient:
             raise CheckpointError(f"{path}: not a save_weights_for_sampler snapshot (no version)")
         return SamplingClient(self, int(state["version"]), path.name, snapshot=path)
 
-    @contextlib.contextmanager
-    def holding(self, weights: dict[str, torch.Tensor], version: int) -> Iterator[None]:
+    def holding(self, weights: dict[str, torch.Tensor], version: int) -> contextlib.AbstractContextManager:
         """The model and the sampler hold `weights` (as read by covrl.train.run.checkpoint.read_model_weights) for
         the duration; then the trainable parameters (all that an optimizer step changes) are restored bit for
         bit and the sampler gets the current weights again (it holds version `self.version` after)."""
+        return self.holding_while(lambda: apply_model_weights(self.model, weights), version)
+
+    @contextlib.contextmanager
+    def holding_while(self, load: Callable[[], None], version: int) -> Iterator[None]:
+        """`load()` puts other weights of `version` into the model for the duration (see `holding`); the
+        trainable parameters are restored bit for bit after and the sampler gets the current weights again."""
         current = [p.detach().clone() for p in self.params]
         try:
-            apply_model_weights(self.model, weights)
+            with torch.no_grad():
+                load()
             self.sampler.load_weights(self.model, version)
             yield
         finally:

@@ -531,21 +531,14 @@ class TrainingClient:
             return contextlib.nullcontext()
         return self._swapped(held)
 
-    @contextlib.contextmanager
-    def _swapped(self, held: _HeldWeights) -> Iterator[None]:
+    def _swapped(self, held: _HeldWeights) -> contextlib.AbstractContextManager:
         api, values = self.api, self._held_values(held)
-        current = [p.detach().clone() for p in api.params]
-        try:
-            with torch.no_grad():
-                for p, v in zip(api.params, values):
-                    p.copy_(v)
-            api.sampler.load_weights(api.model, held.version)
-            yield
-        finally:
-            with torch.no_grad():
-                for p, saved in zip(api.params, current):
-                    p.copy_(saved)
-            api.sampler.load_weights(api.model, api.version)
+
+        def load() -> None:
+            for p, v in zip(api.params, values):
+                p.copy_(v)
+
+        return api.holding_while(load, held.version)
 
     def _inflight_target(self) -> _InflightTarget:
         target = self._inflight() if self._inflight is not None else None

@@ -199,7 +199,7 @@ class TinkerServer:
                  port: int = 0, log: Callable[[str], None] | None = None, keys: Mapping[str, str] | None = None,
                  limits: Limits | None = None, model_dirs: Sequence[str | Path] = ()):
         if not keys and not _is_loopback(host):
-            raise ValueError(f"--host {host!r}: listening beyond this machine needs API keys (--keys FILE or "
+            raise ValueError(f"--host {host!r}: listening beyond loopback needs API keys (--keys FILE or "
                              "COVRL_SERVE_KEYS), and a TLS-terminating proxy in front")
         self.service, self.root = service, Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
