@@ -132,7 +132,7 @@ def test_the_readme_recipe_for_your_own_jsonl_and_reward_trains(tmp_path):
 
     rc = main(["train", "--config", str(ROOT / "configs/default.yaml"), "task.name=jsonl",
                f"task.path={ROOT / 'examples/times_table.jsonl'}",
-               f"task.reward_fn={ROOT / 'examples/times_reward.py'}:last_int", "--name", "times", "--no-progress",
+               f"task.reward={ROOT / 'examples/times_reward.py'}:last_int", "--name", "times", "--no-progress",
                f"run.output_dir={tmp_path}", "model.source=tiny", "task.chat_template=false", "loop.steps=2", "task.n_eval=4",
                "eval.before=false", "checkpoint.at_end=false", "logging.curves=false"])
     assert rc == 0

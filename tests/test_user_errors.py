@@ -103,14 +103,14 @@ CASES = {
     "output_dir_is_a_file": Case(["train", "--config", TINY, "run.output_dir={tmp}/afile", *FAST],
                                  ["run.output_dir", "afile", "Not a directory"], files={"afile": ""}, slow=True),
     # -- rewards -----------------------------------------------------------------------------------------------
-    "reward_file_missing": Case(["train", "--config", TINY, "task.reward_fn={tmp}/nofile.py:f", *FAST],
-                                ["task.reward_fn", "nofile.py", "does not exist"]),
-    "reward_function_missing": Case(["train", "--config", TINY, f"task.reward_fn={TIMES_REWARD}:last_integer", *FAST],
-                                    ["task.reward_fn", "times_reward.py", "'last_integer'", "it defines: last_int"]),
-    "reward_module_missing": Case(["train", "--config", TINY, "task.reward_fn=no_such_rewards_mod:f", *FAST],
-                                  ["task.reward_fn", "no module named 'no_such_rewards_mod'"], slow=True),
-    "reward_file_fails_to_import": Case(["train", "--config", TINY, "task.reward_fn={tmp}/r.py:f", *FAST],
-                                        ["task.reward_fn", "r.py:4", "ZeroDivisionError"],
+    "reward_file_missing": Case(["train", "--config", TINY, "task.reward={tmp}/nofile.py:f", *FAST],
+                                ["task.reward", "nofile.py", "does not exist"]),
+    "reward_function_missing": Case(["train", "--config", TINY, f"task.reward={TIMES_REWARD}:last_integer", *FAST],
+                                    ["task.reward", "times_reward.py", "'last_integer'", "it defines: last_int"]),
+    "reward_module_missing": Case(["train", "--config", TINY, "task.reward=no_such_rewards_mod:f", *FAST],
+                                  ["task.reward", "no module named 'no_such_rewards_mod'"], slow=True),
+    "reward_file_fails_to_import": Case(["train", "--config", TINY, "task.reward={tmp}/r.py:f", *FAST],
+                                        ["task.reward", "r.py:4", "ZeroDivisionError"],
                                         files={"r.py": "def f(completion, example):\n    return 1.0\n\nx = 1 / 0\n"}, slow=True),
     "reward_not_registered": Case(["train", "--config", TINY, "task.reward=nearly_right", *FAST],
                                   ["reward 'nearly_right' is not registered", "last_number"], slow=True),
@@ -215,7 +215,7 @@ def test_serve_on_a_busy_port(tmp_path):
 def test_reward_function_failing_on_every_call_stops_before_training(tmp_path):
     """The function's own traceback is shown (the user's code, to fix), then one stop message; no update runs."""
     reward = write(tmp_path / "raiser.py", "def bad(completion, example):\n    raise RuntimeError('boom')\n")
-    result = covrl(["train", "--config", TINY, f"task.reward_fn={reward}:bad", "task.max_consecutive_reward_errors=1",
+    result = covrl(["train", "--config", TINY, f"task.reward={reward}:bad", "task.max_consecutive_reward_errors=1",
                     *FAST], cwd=tmp_path)
     err = result.stderr
     assert result.returncode == 2, err
@@ -227,7 +227,7 @@ def test_reward_function_failing_on_every_call_stops_before_training(tmp_path):
 
 @pytest.mark.parametrize("how", ["env", pytest.param("flag", marks=pytest.mark.slow)])
 def test_debug_mode_shows_the_traceback(how, tmp_path):
-    args = ["train", "--config", TINY, f"task.reward_fn={TIMES_REWARD}:last_integer", *FAST]
+    args = ["train", "--config", TINY, f"task.reward={TIMES_REWARD}:last_integer", *FAST]
     if how == "flag":
         result = covrl(["--debug", *args], cwd=tmp_path)
     else:

@@ -26,7 +26,8 @@ def reference(client, batch, fn):
 
 def test_every_math_loss_is_registered():
     assert set(MATH_LOSSES) == set(LOSS_SPECS)
-    assert {"cross_entropy", "importance_sampling", "ppo", "tinker_cispo", "tinker_gspo", "dro"} == set(TINKER_LOSSES)
+    assert {"cross_entropy", "importance_sampling", "ppo", "tinker_cispo", "tinker_gspo",
+            "tinker_dro"} == set(TINKER_LOSSES)
 
 
 @pytest.mark.parametrize("name", sorted(LOSS_SPECS))
@@ -66,20 +67,21 @@ def tinker_formula(name, lp, q, adv, w, options):
     lo, hi = options.get("clip_low_threshold", 0.8), options.get("clip_high_threshold", 1.2)
     if name == "ppo":
         return -(torch.minimum(ratio * adv, ratio.clamp(lo, hi) * adv) * w).sum()
-    if name == "tinker_cispo":
+    if name == "tinker_cispo":   # Tinker's one-sided default (0.0, 4.0)
+        lo, hi = options.get("clip_low_threshold", 0.0), options.get("clip_high_threshold", 4.0)
         return -(ratio.clamp(lo, hi).detach() * lp * adv * w).sum()
     if name == "tinker_gspo":
         seq = ((lp.detach() - q) * w).sum(1, keepdim=True) / w.sum(1, keepdim=True)
         s = torch.exp(seq + lp - lp.detach())
         return -(torch.minimum(s * adv, s.clamp(lo, hi) * adv) * w).sum()
-    if name == "dro":
+    if name == "tinker_dro":
         return -((lp * adv - 0.5 * options["beta"] * (lp - q) ** 2) * w).sum()
     raise AssertionError(name)
 
 
 @pytest.mark.parametrize("name,options", [("cross_entropy", {}), ("importance_sampling", {}), ("ppo", {}),
                                           ("ppo", {"clip_low_threshold": 0.9, "clip_high_threshold": 1.05}),
-                                          ("tinker_cispo", {}), ("tinker_gspo", {}), ("dro", {"beta": 0.5})])
+                                          ("tinker_cispo", {}), ("tinker_gspo", {}), ("tinker_dro", {"beta": 0.5})])
 def test_tinker_loss_equals_formula(client, name, options):
     batch = make_batch(client, seed=1)
     client.micro_batch_size = None

@@ -129,7 +129,7 @@ def test_bad_calls_name_the_field(client):
         client.forward_backward(batch, "covariance", loss_options={"clip": 1})
     with pytest.raises(TypeError, match="needs the option"):
         client.forward_backward(TrainBatch.from_sequences([[1]], [[3]], sampler_logprobs=[[-1.0]], advantages=[1.0]),
-                                "dro")
+                                "tinker_dro")
     with pytest.raises(TypeError, match="batch: expected covrl.api.TrainBatch"):
         client.forward_backward({"tokens": [1]}, "covariance")
     with pytest.raises(ValueError, match="AdamParams.learning_rate"):

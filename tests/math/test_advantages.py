@@ -244,7 +244,8 @@ def test_variance_proxies_hand_case():
 
 def test_errors_name_choices_and_shapes():
     mask = torch.ones(2, 3)
-    with pytest.raises(ValueError, match=r"valid choices: \['dr_grpo', 'grpo', 'otb', 'otb_tir', 'reinforce', 'rloo'\]"):
+    choices = r"\['dr_grpo', 'gdpo', 'grpo', 'maxrl', 'otb', 'otb_tir', 'reinforce', 'rloo'\]"
+    with pytest.raises(ValueError, match=r"valid choices: " + choices):
         compute_advantages("gae", rewards=torch.zeros(2), mask=mask, group_ids=torch.zeros(2, dtype=torch.long))
     with pytest.raises(ValueError, match=r"rewards must be \[B\] or \[B, T\]"):
         compute_advantages("grpo", rewards=torch.zeros(2, 4), mask=mask, group_ids=torch.zeros(2, dtype=torch.long))

@@ -1,4 +1,4 @@
-"""User reward functions that misbehave, loaded by path (`task.reward_fn=<this file>:<name>`) in the tests."""
+"""User reward functions that misbehave, loaded by path (`task.reward=<this file>:<name>`) in the tests."""
 
 import math
 import os

@@ -37,7 +37,7 @@ def tiny_overrides(out: Path, name: str, *extra: str, steps: int = 4, every: int
             "loop.group_size=4", "sft_warmup.steps=2", "eval.before=false", "eval.after=false",
             "logging.curves=false", "logging.progress_bar=false", "task.n_train=64", "task.n_eval=8",
             f"checkpoint.every_rollouts={every}", "checkpoint.keep_last=2", "optim.micro_batch_size=8",
-            f"task.reward_fn={REWARDS}:digit_fraction", *extra]
+            f"task.reward={REWARDS}:digit_fraction", *extra]
 
 
 def metrics(run_dir: Path) -> list[dict]:

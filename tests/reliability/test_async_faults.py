@@ -226,7 +226,7 @@ def test_a_reward_error_met_by_an_async_sampler_is_a_bad_input_exit(tmp_path, ba
     from _reliability_tiny import REWARDS
 
     name = f"bad-reward-{backend}"
-    rc = run(tmp_path, name, f"async_loop.local_backend={backend}", f"task.reward_fn={REWARDS}:crash",
+    rc = run(tmp_path, name, f"async_loop.local_backend={backend}", f"task.reward={REWARDS}:crash",
              "task.reward_errors=raise")
     assert rc == 2
     summary = json.loads((tmp_path / name / "summary.json").read_text())

@@ -60,7 +60,7 @@ def non_finite_floats(obj, path=()):
 
 
 def test_walk_finds_the_sections():
-    assert {"optim.lr", "loop.steps", "task.reward_fn", "run.seed", "sampler.temperature"} <= set(LEAVES)
+    assert {"optim.lr", "loop.steps", "task.reward", "run.seed", "sampler.temperature"} <= set(LEAVES)
 
 
 @pytest.mark.parametrize("value_name", sorted(HOSTILE))

@@ -191,7 +191,7 @@ def _kill_sampler_thread(monkeypatch):
 
 # exit path -> (extra overrides, fault setup, exit code, status, text in the reason)
 EXITS = {
-    "reward-error": ([f"task.reward_fn={REWARDS}:crash", "task.reward_errors=raise"], None, 2, "failed",
+    "reward-error": ([f"task.reward={REWARDS}:crash", "task.reward_errors=raise"], None, 2, "failed",
                      "RewardFunctionError"),
     "prompt-too-long": (["task.max_prompt_tokens=3", "task.overlong=error"], None, 2, "failed",
                         "PromptTooLongError"),

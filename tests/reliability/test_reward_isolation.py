@@ -20,7 +20,7 @@ REWARDS = HERE / "_hostile_rewards.py"
 
 
 def make_task(fn: str, **options):
-    cfg = TaskConfig(reward_fn=f"{REWARDS}:{fn}", n_train=20, n_eval=5, **options)
+    cfg = TaskConfig(reward=f"{REWARDS}:{fn}", n_train=20, n_eval=5, **options)
     return build_task(cfg)
 
 
@@ -92,7 +92,7 @@ def test_reward_errors_are_logged_per_step_in_a_run(tmp_path):
         f"run.output_dir={tmp_path}", "run.name=rewards", "loop.steps=2", "loop.prompts_per_step=4",
         "loop.group_size=4", "sft_warmup.steps=0", "eval.before=false", "eval.after=false",
         "logging.curves=false", "logging.console=false", "logging.diagnostics=false", "task.n_train=16",
-        "task.n_eval=4", "checkpoint.at_end=false", f"task.reward_fn={REWARDS}:crash", "task.reward_timeout_s=1"])
+        "task.n_eval=4", "checkpoint.at_end=false", f"task.reward={REWARDS}:crash", "task.reward_timeout_s=1"])
     run = prepare_run(cfg, console=False)
     try:
         summary = train_sync(run)
@@ -108,7 +108,7 @@ def test_reward_errors_are_logged_per_step_in_a_run(tmp_path):
                    "reward_isolation='process' is the protection (tested below)")
 def test_hard_exit_in_a_thread_isolated_reward_does_not_kill_the_caller():
     code = (f"from covrl.tasks import TaskConfig, build_task\n"
-            f"t = build_task(TaskConfig(reward_fn={str(REWARDS) + ':hard_exit'!r}, reward_timeout_s=1.0, "
+            f"t = build_task(TaskConfig(reward={str(REWARDS) + ':hard_exit'!r}, reward_timeout_s=1.0, "
             f"n_train=5, n_eval=2))\n"
             f"print(t.score(['1'], t.train[:1]).errors)\n")
     proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120,

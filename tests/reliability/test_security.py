@@ -2,7 +2,7 @@
 
 - static scan (AST) of src/covrl: no eval/exec/compile/__import__, no pickle/marshal loads, every torch.load with
   weights_only=True, yaml only through safe loaders, no shell=True / os.system, no trust_remote_code=True, and
-  arbitrary files executed as modules only where the user names them (task.reward_fn);
+  arbitrary files executed as modules only where the user names them (task.reward);
 - config strings that look like code are refused as unknown names, never evaluated;
 - a user reward is loaded from exactly the file/module the user names;
 - a checkpoint whose trainer_state.pt carries a pickled payload (or garbage) is refused with a clear error and
@@ -24,7 +24,7 @@ from covrl.config import ConfigError, load_config
 from covrl.train.run import checkpoint as ckpt
 
 SRC = Path(__file__).resolve().parents[2] / "src" / "covrl"
-# the only place that turns a user-named file into a module (task.reward_fn = "path/to/file.py:function")
+# the only place that turns a user-named file into a module (task.reward = "path/to/file.py:function")
 FILE_EXEC_ALLOWED = {"tasks/rewards.py"}
 SAFE_YAML_LOADERS = {"_Loader", "SafeLoader", "CSafeLoader", "yaml.SafeLoader", "yaml.CSafeLoader"}
 # (file, enclosing function) -> why a full unpickle is acceptable there
@@ -160,7 +160,7 @@ def test_reward_fn_specs_are_not_evaluated(tmp_path):
     for spec in (f"__import__('os').system('touch {marker}'):f", f"os.system('touch {marker}'):f",
                  f"{tmp_path}/missing.py:f"):
         with pytest.raises((ImportError, FileNotFoundError, ValueError, AttributeError)):
-            build_task(TaskConfig(reward_fn=spec, n_train=4, n_eval=1))
+            build_task(TaskConfig(reward=spec, n_train=4, n_eval=1))
     assert not marker.exists()
 
 
@@ -174,7 +174,7 @@ def test_reward_file_is_loaded_from_exactly_the_named_path(tmp_path, monkeypatch
     monkeypatch.syspath_prepend(str(tmp_path / "a"))
     for spec, want in ((f"{tmp_path / 'b' / 'reward.py'}:score", 0.75), ("reward.py:score", 0.25),
                        (f"{tmp_path / 'b'}/reward.py:score", 0.75)):
-        task = build_task(TaskConfig(reward_fn=spec, n_train=4, n_eval=1, reward_timeout_s=5))
+        task = build_task(TaskConfig(reward=spec, n_train=4, n_eval=1, reward_timeout_s=5))
         assert task.score(["1"], task.train[:1]).rewards == [want], spec
 
 

@@ -39,7 +39,7 @@ def task_for(tmp_path):
     data.write_text("".join(json.dumps({"prompt": f"q{i}", "answer": str(i), "level": i}) + "\n" for i in range(20)))
 
     def make(fn, **options):
-        return build_task(TaskConfig(name="jsonl", path=str(data), reward_fn=f"{tmp_path / 'user.py'}:{fn}",
+        return build_task(TaskConfig(name="jsonl", path=str(data), reward=f"{tmp_path / 'user.py'}:{fn}",
                                      n_eval=4, **options))
     return make
 

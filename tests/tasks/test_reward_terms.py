@@ -78,7 +78,7 @@ def test_signature_detection():
 
 
 def test_trl_reward_gets_the_batch_with_the_dataset_columns(rewards_file, data_file):
-    task = jsonl_task(data_file, reward_fn=f"{rewards_file}:trl_len")
+    task = jsonl_task(data_file, reward=f"{rewards_file}:trl_len")
     ex = task.train[:3]
     out = task.score(["a", "bb", "ccc"], ex)
     assert out.rewards == [1.0, 2.0, 3.0] and out.errors == 0
@@ -87,7 +87,7 @@ def test_trl_reward_gets_the_batch_with_the_dataset_columns(rewards_file, data_f
 
 
 def test_trl_reward_without_kwargs_gets_only_its_columns_and_none_counts_zero(rewards_file, data_file):
-    task = jsonl_task(data_file, reward_fn=f"{rewards_file}:trl_match")
+    task = jsonl_task(data_file, reward=f"{rewards_file}:trl_match")
     ex = task.train[:2]
     out = task.score([ex[0].answer, "wrong"], ex)
     assert out.rewards == [1.0 + ex[0].meta["level"], 0.0] and out.errors == 0
@@ -96,10 +96,10 @@ def test_trl_reward_without_kwargs_gets_only_its_columns_and_none_counts_zero(re
 @pytest.mark.parametrize("fn, pattern", [("trl_wrong_length", "returned 1 values for 3 completions"),
                                          ("trl_crash", "KeyError")])
 def test_a_failing_trl_call_fails_the_batch(rewards_file, data_file, fn, pattern):
-    task = jsonl_task(data_file, reward_fn=f"{rewards_file}:{fn}")
+    task = jsonl_task(data_file, reward=f"{rewards_file}:{fn}")
     out = task.score(["a", "b", "c"], task.train[:3])
     assert out.rewards == [0.0] * 3 and out.errors == 3
-    raising = jsonl_task(data_file, reward_fn=f"{rewards_file}:{fn}", reward_errors="raise")
+    raising = jsonl_task(data_file, reward=f"{rewards_file}:{fn}", reward_errors="raise")
     with pytest.raises(RewardFunctionError, match=pattern):
         raising.score(["a", "b", "c"], raising.train[:3])
 
@@ -120,7 +120,7 @@ def test_weighted_terms_sum_and_are_each_logged(rewards_file, data_file):
 
 
 @pytest.mark.parametrize("fields, pattern", [
-    ({"reward_fn": "a.py:f", "rewards": [{"fn": "exact_match"}]}, "not both"),
+    ({"reward": "a.py:f", "rewards": [{"fn": "exact_match"}]}, "both set"),
     ({"rewards": [{"fn": "exact_match"}, {"fn": "exact_match"}]}, "distinct"),
     ({"rewards": [{"fn": "exact_match", "weight": True}]}, "weight"),
     ({"rewards": [{"fn": "exact_match", "wieght": 2}]}, "wieght"),
@@ -133,7 +133,7 @@ def test_reward_config_errors(fields, pattern):
 
 @pytest.mark.parametrize("fn", ["row_crash", "trl_crash"])
 def test_a_reward_that_always_fails_stops_with_its_own_traceback(rewards_file, data_file, fn):
-    task = jsonl_task(data_file, reward_fn=f"{rewards_file}:{fn}", max_consecutive_reward_errors=3)
+    task = jsonl_task(data_file, reward=f"{rewards_file}:{fn}", max_consecutive_reward_errors=3)
     ex = task.train[:2]
     for _ in range(2):
         assert task.score(["a", "b"], ex).errors == 2
@@ -146,7 +146,7 @@ def test_a_reward_that_always_fails_stops_with_its_own_traceback(rewards_file, d
 
 
 def test_partial_failures_reset_the_count_and_none_never_stops(rewards_file, data_file):
-    task = jsonl_task(data_file, reward_fn=f"{rewards_file}:row_flaky", max_consecutive_reward_errors=2)
+    task = jsonl_task(data_file, reward=f"{rewards_file}:row_flaky", max_consecutive_reward_errors=2)
     ex = task.train[:2]
     for _ in range(5):   # one of two completions fails each time: never every completion of a batch
         assert task.score(["x", "ok"], ex).errors == 1
@@ -155,13 +155,13 @@ def test_partial_failures_reset_the_count_and_none_never_stops(rewards_file, dat
     assert task.score(["x", "x"], ex).errors == 2
     with pytest.raises(RewardFunctionError, match="flaky"):
         task.score(["x", "x"], ex)
-    never = jsonl_task(data_file, reward_fn=f"{rewards_file}:row_crash", max_consecutive_reward_errors=None)
+    never = jsonl_task(data_file, reward=f"{rewards_file}:row_crash", max_consecutive_reward_errors=None)
     for _ in range(10):
         assert never.score(["a"], ex[:1]).errors == 1
 
 
 def test_process_isolation_shows_the_remote_traceback(rewards_file, data_file):
-    task = jsonl_task(data_file, reward_fn=f"{rewards_file}:row_crash", max_consecutive_reward_errors=1,
+    task = jsonl_task(data_file, reward=f"{rewards_file}:row_crash", max_consecutive_reward_errors=1,
                       reward_isolation="process", reward_timeout_s=60)
     try:
         with pytest.raises(RewardFunctionError) as info:
@@ -184,7 +184,7 @@ def test_run_stops_with_exit_2_and_the_traceback(tmp_path, rewards_file, capsys)
         f"run.output_dir={tmp_path}", "run.name=stops", "loop.steps=6", "loop.prompts_per_step=2",
         "loop.group_size=2", "sft_warmup.steps=0", "eval.before=false", "eval.after=false",
         "logging.curves=false", "logging.console=false", "logging.progress_bar=false", "logging.diagnostics=false",
-        "task.n_train=16", "task.n_eval=4", "checkpoint.at_end=false", f"task.reward_fn={rewards_file}:row_crash",
+        "task.n_train=16", "task.n_eval=4", "checkpoint.at_end=false", f"task.reward={rewards_file}:row_crash",
         "task.max_consecutive_reward_errors=2"])
     assert train_from_config(cfg) == 2
     summary = json.loads((tmp_path / "stops" / "summary.json").read_text())

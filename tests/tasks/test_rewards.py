@@ -86,7 +86,7 @@ def _task(**kw):
 
 
 def test_user_reward_from_file_and_module(user_file, monkeypatch):
-    task = _task(reward_fn=f"{user_file}:length_reward")
+    task = _task(reward=f"{user_file}:length_reward")
     out = task.score(["abc", ""], task.train[:2])
     assert out.rewards == [3.0, 0.0] and out.errors == 0
     monkeypatch.syspath_prepend(str(user_file.parent))
@@ -105,17 +105,17 @@ def test_user_reward_spec_errors(user_file, spec, match):
 
 
 def test_raising_reward_counts_as_zero_or_raises(user_file):
-    task = _task(reward_fn=f"{user_file}:flaky")
+    task = _task(reward=f"{user_file}:flaky")
     out = task.score(["ok", "boom", "nan", "ok"], task.train[:4])
     assert out.rewards == [1.0, 0.0, 0.0, 1.0]
     assert out.errors == 2 and out.metrics["reward/errors"] == 2.0
-    strict = _task(reward_fn=f"{user_file}:flaky", reward_errors="raise")
+    strict = _task(reward=f"{user_file}:flaky", reward_errors="raise")
     with pytest.raises(RewardFunctionError, match="completion 1"):
         strict.score(["ok", "boom"], strict.train[:2])
 
 
 def test_hanging_reward_is_cut_by_timeout(user_file):
-    task = _task(reward_fn=f"{user_file}:hang", reward_timeout_s=0.2)
+    task = _task(reward=f"{user_file}:hang", reward_timeout_s=0.2)
     t0 = time.perf_counter()
     out = task.score(["ok", "hang", "ok"], task.train[:3])
     assert time.perf_counter() - t0 < 5.0  # bounded by the timeout, not the 30 s sleep
@@ -147,7 +147,7 @@ def test_process_isolation_survives_crash_hang_and_exit(user_file):
                 "    if completion == 'exit':\n        os._exit(3)\n    if completion == 'hang':\n"
                 "        time.sleep(30)\n    if completion == 'boom':\n        raise SystemExit(1)\n"
                 "    return float(len(completion))\n")
-    task = _task(reward_fn=f"{user_file}:hard_exit", reward_isolation="process", reward_timeout_s=1.0)
+    task = _task(reward=f"{user_file}:hard_exit", reward_isolation="process", reward_timeout_s=1.0)
     try:
         out = task.score(["ab", "exit", "abc", "hang", "boom", "a"], task.train[:5] + task.train[:1])
         assert out.rewards == [2.0, 0.0, 3.0, 0.0, 0.0, 1.0]

@@ -112,7 +112,7 @@ def test_overlong_prompts(tok):
 
 
 def test_config_errors_name_fields():
-    with pytest.raises(ValidationError, match="task.name='nope'"):
+    with pytest.raises(ValidationError, match="unknown task 'nope'"):
         TaskConfig(name="nope")
     with pytest.raises(ValidationError, match="task.path is required"):
         TaskConfig(name="jsonl")

@@ -118,7 +118,12 @@ def test_overlong_shaping_in_task_score_and_config():
     assert out.rewards == [1.0, 0.5, -1.0] and out.correct == [True, True, False]
     assert out.metrics["reward/overlong_frac"] == pytest.approx(2 / 3)
     cfg = tiny_cfg(None, **{"task.overlong_reward.buffer": 2, "sampler.max_new_tokens": 4})
-    assert cfg.task.overlong_reward.max_tokens == 4   # the sampler's budget by default
+    assert cfg.task.overlong_reward.max_tokens is None   # validators do not fill values in
+    budgeted = build_task(cfg.task.model_copy(update={"n_eval": 2, "n_train": 4}), response_budget=4)
+    out = budgeted.score(["2", "2"], [ex] * 2, lengths=[2, 4])   # the sampler's budget by default
+    assert out.rewards == [1.0, 0.0]   # 1 + the full penalty -1 at the budget
+    with pytest.raises(ValueError, match="overlong_reward.max_tokens is unset"):
+        build_task(cfg.task.model_copy(update={"n_eval": 2, "n_train": 4})).score(["2"], [ex], lengths=[2])
     with pytest.raises(Exception, match="exceeds the response budget"):
         tiny_cfg(None, **{"task.overlong_reward.buffer": 9, "sampler.max_new_tokens": 4})
 

@@ -77,9 +77,9 @@ def test_world2_equals_one_process(world2, one_process, mode, name):
 def test_fsdp2_refuses_the_noise_split_and_turns_the_default_off():
     with pytest.raises(ValueError, match="logging.noise_scale=true cannot be measured under trainer.parallel=fsdp2"):
         tiny_cfg(**{"trainer.parallel": "fsdp2", "logging.noise_scale": True})
-    assert tiny_cfg(**{"trainer.parallel": "fsdp2"}).logging.noise_scale is False   # the default: off there
-    assert tiny_cfg(**{"trainer.parallel": "ddp"}).logging.noise_scale is True      # on elsewhere
-    assert tiny_cfg().logging.noise_scale is True
+    assert tiny_cfg(**{"trainer.parallel": "fsdp2"}).noise_scale_on is False   # the default: off there
+    assert tiny_cfg(**{"trainer.parallel": "ddp"}).noise_scale_on is True      # on elsewhere
+    assert tiny_cfg().noise_scale_on is True
 
 
 def test_world_size_must_match_the_launcher(monkeypatch):

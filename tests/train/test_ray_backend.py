@@ -95,7 +95,7 @@ def test_covrl_train_in_ray_mode_goes_through_the_common_exit_table(tmp_path, lo
     assert summary["status"] == "completed" and [r["rollouts"] for r in records] == [16.0, 32.0]
 
     cfg = tiny_cfg(tmp_path, steps=2, **base, **{"run.name": "bad-reward", "async_loop.trainer_actor": False,
-                                                  "task.reward_fn": f"{hostile}:crash",
+                                                  "task.reward": f"{hostile}:crash",
                                                   "task.reward_errors": "raise"})
     assert train_from_config(cfg) == 2
     summary = json.loads((tmp_path / "bad-reward" / "summary.json").read_text())

@@ -21,7 +21,7 @@ def test_a_reward_failing_on_most_rows_stops_the_run_with_exit_2(tmp_path, capsy
     reward = tmp_path / "myreward.py"
     reward.write_text("def broken(completion, example):\n    return float(example.solution)\n")
     rc = main(["train", "--config", _config(tmp_path), "--no-progress", "--name", "bad", "loop.steps=50",
-               f"task.reward_fn={reward}:broken", "task.reward_error_window=32"])
+               f"task.reward={reward}:broken", "task.reward_error_window=32"])
     err = capsys.readouterr().err
     assert rc == 2
     assert err.count("(the first failure") == 1 and "AttributeError" in err and "example.answer" in err

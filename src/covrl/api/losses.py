@@ -3,17 +3,20 @@ registry name (options type-checked by its registry entry) plus Tinker's built-i
 
 Two reductions, because the two families define their scale differently:
 
-- covrl.math losses (`covariance`, `reinforce`, `ppo_clip`, `gspo`, `gspo_token`, `gmpo`, `cispo`, `sapo`) are
-  `LossSpec.compute` on the sampled tokens, aggregated with the call's `agg_mode` (default token-mean) over the
-  full sampled-token mask, so rejected tokens count in the normaliser as in `covrl.train.step.trainer` (TRM).
-- Tinker's names (`cross_entropy`, `importance_sampling`, `ppo`, `tinker_cispo` = Tinker's `cispo`, `dro`,
-  `tinker_gspo` = Tinker's `gspo`) are per-token SUMS over every scored position (Tinker's convention), with
-  Tinker's option names (`clip_low_threshold`, `clip_high_threshold` on the ratio, `beta` for dro).
-  `ppo`, `tinker_cispo` and `tinker_gspo` are the covrl.math functions (`ppo_clip` without dual clip, `cispo`,
-  `gspo_token`) with the thresholds translated (clip_low = 1 - low threshold, clip_high = high threshold - 1).
+- covrl.math losses (`covariance`, `reinforce`, `ppo_clip`, `gspo`, `gspo_token`, `gmpo`, `cispo`, `sapo`, `dppo`,
+  `dro`, `vespo`, `luspo`) are `LossSpec.compute` on the sampled tokens, aggregated with the call's `agg_mode`
+  (default token-mean) over the full sampled-token mask, so rejected tokens count in the normaliser as in
+  `covrl.train.step.trainer` (TRM).
+- Tinker's names (`cross_entropy`, `importance_sampling`, `ppo`, `tinker_cispo` = Tinker's `cispo`,
+  `tinker_gspo` = Tinker's `gspo`, `tinker_dro` = Tinker's `dro`) are per-token SUMS over every scored position
+  (Tinker's convention), with Tinker's option names (`clip_low_threshold`, `clip_high_threshold` on the ratio,
+  `beta` for dro). `ppo`, `tinker_cispo`, `tinker_gspo` and `tinker_dro` are the covrl.math functions (`ppo_clip`
+  without dual clip, `cispo`, `gspo_token`, `dro`) with the thresholds translated (clip_low = 1 - low threshold,
+  clip_high = high threshold - 1). `tinker_cispo`'s defaults are Tinker's one-sided clip (0.0, 4.0): no lower
+  bound, the weight capped at 4 (tinker-cookbook tutorials/202_loss_functions.py).
 
-The Tinker facade maps Tinker's `cispo` / `gspo` onto `tinker_cispo` / `tinker_gspo` (same name, Tinker's
-meaning); through covrl.api the bare names keep covrl.math's meaning.
+The Tinker facade maps Tinker's `cispo` / `gspo` / `dro` onto `tinker_cispo` / `tinker_gspo` / `tinker_dro` (same
+name, Tinker's meaning); through covrl.api the bare names keep covrl.math's meaning.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ from typing import Any
 import torch
 
 from covrl.math import LOSS_SPECS, LossOutput, LossSpec, clamped_log_ratio
+from covrl.math.losses import dro_loss
 
 
 @dataclass(frozen=True)
@@ -102,9 +106,9 @@ def _importance_sampling(x: LossInputs, options: dict[str, Any]) -> LossOutput:
 
 
 def _dro(x: LossInputs, options: dict[str, Any]) -> LossOutput:
-    beta = float(options["beta"])
-    diff = x.logprobs.float() - x.sampler_logprobs.float()
-    token_loss = -(x.logprobs.float() * x.advantages.float() - 0.5 * beta * diff.square()) * x.weights
+    """Tinker's `dro`: covrl.math's `dro` token loss (the same formula), summed over the weighted positions."""
+    token_loss = dro_loss(logprobs=x.logprobs, sampler_logprobs=x.sampler_logprobs.float(), advantages=x.advantages,
+                          mask=(x.weights != 0).float(), is_weights=None, beta=float(options["beta"])) * x.weights
     return LossOutput(loss=token_loss.sum(), token_loss=token_loss)
 
 
@@ -127,7 +131,9 @@ def _translated(math_name: str, extra: Mapping[str, Any]) -> Callable[[LossInput
 
 
 _THRESHOLDS = {"clip_low_threshold": 0.8, "clip_high_threshold": 1.2}
-_REQUIRED_OPTIONS = {"dro": ("beta",)}
+# Tinker's cispo default: one-sided (no lower bound, weight capped at 4), tinker-cookbook commit eb2dc4e
+_CISPO_THRESHOLDS = {"clip_low_threshold": 0.0, "clip_high_threshold": 4.0}
+_REQUIRED_OPTIONS = {"tinker_dro": ("beta",)}
 _RL = frozenset({"advantages", "sampler_logprobs"})
 
 TINKER_LOSSES: dict[str, ApiLoss] = {loss.name: loss for loss in (
@@ -135,11 +141,11 @@ TINKER_LOSSES: dict[str, ApiLoss] = {loss.name: loss for loss in (
     ApiLoss("importance_sampling", _RL, {}, _importance_sampling, "tinker", "-Σ exp(log p - log q)·A"),
     ApiLoss("ppo", _RL, dict(_THRESHOLDS), _translated("ppo_clip", {"dual_clip": None}), "tinker",
             "-Σ min(ρA, clip(ρ, low, high)·A)"),
-    ApiLoss("tinker_cispo", _RL, dict(_THRESHOLDS), _translated("cispo", {}), "tinker",
+    ApiLoss("tinker_cispo", _RL, dict(_CISPO_THRESHOLDS), _translated("cispo", {}), "tinker",
             "-Σ sg(clip(ρ, low, high))·A·log p"),
     ApiLoss("tinker_gspo", _RL, dict(_THRESHOLDS), _translated("gspo_token", {}), "tinker",
             "GSPO-token: every token carries the sequence ratio's value, its own gradient"),
-    ApiLoss("dro", _RL, {"beta": None}, _dro, "tinker", "-Σ (A·log p - β/2·(log p - log q)²)"),
+    ApiLoss("tinker_dro", _RL, {"beta": None}, _dro, "tinker", "-Σ (A·log p - β/2·(log p - log q)²)"),
 )}
 MATH_LOSSES: dict[str, ApiLoss] = {name: _math_loss(spec) for name, spec in LOSS_SPECS.items()}
 API_LOSSES: dict[str, ApiLoss] = {**MATH_LOSSES, **TINKER_LOSSES}

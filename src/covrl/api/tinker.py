@@ -50,12 +50,13 @@ from covrl.api.client import SNAPSHOT_DIR, resolve_config
 from covrl.api.client import SamplingClient as _ApiSamplingClient
 from covrl.api.client import TrainingClient as _ApiTrainingClient
 from covrl.api.losses import API_LOSSES
+from covrl.api.multilora import SharedBases, lora_client
 from covrl.api.types import StaleSamplingClientError, TrainBatch
 from covrl.models import LoraConfig
 from covrl.train import CheckpointError
 
 # Tinker's loss names whose meaning differs from covrl.math's entry of the same name
-_TINKER_NAMES = {"cispo": "tinker_cispo", "gspo": "tinker_gspo"}
+_TINKER_NAMES = {"cispo": "tinker_cispo", "gspo": "tinker_gspo", "dro": "tinker_dro"}
 _KEY_DTYPE = {"target_tokens": "int64"}
 _ATTN, _MLP = ["q_proj", "k_proj", "v_proj", "o_proj"], ["gate_proj", "up_proj", "down_proj"]
 CLIENT_FILE = "tinker_client.json"   # in each training client's folder: how to build it again from a state
@@ -775,10 +776,12 @@ class SamplingClient:
 
 class ServiceClient:
     """Creates the clients. `config` (covrl addition): the covrl config or preset the models come from (task,
-    sampler, warm-up, seed); `overrides` dotted overrides of it. No network, no API key."""
+    sampler, warm-up, seed); `overrides` dotted overrides of it. No network, no API key. `share_base` (covrl
+    addition): LoRA clients of one base model (same config and seed) share its weights in memory, each with its
+    own adapters (covrl.api.multilora); False builds a model of its own for each."""
 
     def __init__(self, config=None, overrides: Mapping[str, Any] | None = None, *, warmup: bool = True,
-                 state_dir: str | None = None, **_: Any):
+                 state_dir: str | None = None, share_base: bool = True, **_: Any):
         # no config given (a recipe's own `ServiceClient(base_url=...)`): $COVRL_TINKER_CONFIG, else the preset
         # of the model each client names (tiny for "tiny", the default SmolLM2 run otherwise)
         self._named = config or os.environ.get("COVRL_TINKER_CONFIG")
@@ -786,6 +789,10 @@ class ServiceClient:
         self.config = resolve_config(self._named or "tiny", overrides)
         self.warmup = warmup
         self.state_dir = state_dir
+        # LoRA clients of one base model share its weights (covrl.api.multilora); scoped() copies keep this one
+        # registry, so a server's tenants share them too (read-only: the base weights are frozen)
+        self.share_base = share_base
+        self._bases = SharedBases()
         self._training_clients: list[TrainingClient] = []   # newest last: they own the covrl://sampler/ paths
         self._restored: dict[Path, TrainingClient] = {}     # client folder -> a client sampling its snapshots
 
@@ -824,9 +831,11 @@ class ServiceClient:
         folder = self._client_folder(base_model)
         (folder / CLIENT_FILE).write_text(json.dumps({"base_model": base_model, "seed": seed,
                                                       "lora": None if lora is None else lora.model_dump()}))
-        client = TrainingClient(_ApiTrainingClient.from_config(cfg, warmup=self.warmup, lora_after_warmup=True,
-                                                               state_dir=folder),
-                                base_model)
+        if lora is not None and self.share_base:   # one copy of the base weights for all its LoRA clients
+            api = lora_client(self._bases.get(cfg, warmup=self.warmup), lora, state_dir=folder)
+        else:
+            api = _ApiTrainingClient.from_config(cfg, warmup=self.warmup, lora_after_warmup=True, state_dir=folder)
+        client = TrainingClient(api, base_model)
         self._training_clients.append(client)
         return client
 
@@ -864,7 +873,8 @@ class ServiceClient:
         info = json.loads(meta.read_text())
         lora = None if info["lora"] is None else LoraConfig(**info["lora"])
         client = self._client(info["base_model"], lora, info["seed"])
-        client.api.load_state(state, optimizer=optimizer)
+        with client._changing_weights():   # its sampling clients then hold the loaded version, not version 0
+            client.api.load_state(state, optimizer=optimizer)
         return client
 
     def create_sampling_client(self, base_model: str | None = None, model_path: str | None = None,

@@ -3,19 +3,19 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import Annotated, Any
 
-from pydantic import Field, field_validator
+from pydantic import Field
 
 from covrl.explore.names import AGENT_NAMES, ENV_NAMES
-from covrl.settings import Section
+from covrl.settings import Section, known_name
 
 
 class BanditConfig(Section):
     """One comparison: several agents on one environment, same seeds."""
 
-    env: str = Field("linear", description=f"environment: {', '.join(ENV_NAMES)}")
-    agents: list[str] = Field(["ensemble++", "lints"], min_length=1, description="agents to compare")
+    env: Annotated[str, known_name(ENV_NAMES, "environment")] = Field("linear", description=f"environment: {', '.join(ENV_NAMES)}")
+    agents: list[Annotated[str, known_name(AGENT_NAMES, "agent")]] = Field(["ensemble++", "lints"], min_length=1, description="agents to compare")
     steps: int = Field(1000, ge=1, le=10_000_000, description="rounds T per seed")
     seeds: int = Field(5, ge=1, le=100_000, description="number of seeds (instances)")
     seed: int = Field(0, ge=0, description="first seed; seed s plays environment seed `seed + s`")
@@ -25,18 +25,3 @@ class BanditConfig(Section):
     track_band_every: int = Field(0, ge=0, description="record the particles' covariance band every N rounds")
     out: Path = Field(Path("runs/bandit"), description="output folder")
     save_agents: bool = Field(False, description="save each agent's final state (seed batch) under out/")
-
-    @field_validator("env")
-    @classmethod
-    def _env_known(cls, v: str) -> str:
-        if v not in ENV_NAMES:
-            raise ValueError(f"env={v!r} is not known; allowed: {', '.join(ENV_NAMES)}")
-        return v
-
-    @field_validator("agents")
-    @classmethod
-    def _agents_known(cls, v: list[str]) -> list[str]:
-        for a in v:
-            if a not in AGENT_NAMES:
-                raise ValueError(f"agent={a!r} is not known; allowed: {', '.join(AGENT_NAMES)}")
-        return v

@@ -24,6 +24,7 @@ def reject_bool(value: Any) -> Any:
 
 def _is_numeric(annotation: Any) -> bool:
     """Whether `annotation` admits int or float (alone or in a union, e.g. `float | None`) but not bool."""
+    annotation = _bare(annotation)
     if annotation in (int, float):
         return True
     if typing.get_origin(annotation) in (typing.Union, types.UnionType):
@@ -50,7 +51,8 @@ class Registered:
               **extra: Any):
         """The entry of `fn`; its first `positional` parameters are passed positionally (not inputs or options),
         `extra`: the fields a subclass adds."""
-        hints = typing.get_type_hints(fn)
+        # extras kept: an option may carry its bounds, e.g. Annotated[float, Field(ge=0)], which the model checks
+        hints = typing.get_type_hints(fn, include_extras=True)
         params = list(inspect.signature(fn).parameters.values())[positional:]
         keyword = [p for p in params if p.kind in (p.KEYWORD_ONLY, p.POSITIONAL_OR_KEYWORD)]
         options = {p.name: p.replace(annotation=hints.get(p.name, Any)) for p in keyword if p.name not in supplied}
@@ -86,7 +88,13 @@ class Registered:
         return {k: getattr(checked, k) for k in values}
 
 
+def _bare(annotation: Any) -> Any:
+    """The type inside Annotated[type, ...] (bounds and validators left out)."""
+    return typing.get_args(annotation)[0] if typing.get_origin(annotation) is Annotated else annotation
+
+
 def _type_name(annotation: Any) -> str:
+    annotation = _bare(annotation)
     if isinstance(annotation, type):
         return annotation.__name__
     return str(annotation).replace("typing.", "").replace("torch.", "").replace("NoneType", "None")

@@ -19,9 +19,10 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Annotated, Any, Literal
 
 import torch
+from pydantic import Field
 
 from covrl.math._registry import Registered
 from covrl.math._util import check_2d, choose, item, masked_mean
@@ -29,6 +30,9 @@ from covrl.math.logprobs import logit_grad_proxy
 
 GRPO_EPS = 1e-6
 OTB_EPS = 1e-8
+WHITEN_EPS = 1e-8   # GDPO's batch normalisation: (A − μ)/sqrt(var + 1e-8), verl's masked_whiten
+
+NonNegative = Annotated[float, Field(ge=0)]
 
 
 @dataclass
@@ -125,6 +129,90 @@ def rloo(batch: AdvantageBatch, *, zero_constant_groups: bool = False) -> torch.
     return _zero_constant(batch, _broadcast(adv, batch.mask), zero_constant_groups)
 
 
+def maxrl(batch: AdvantageBatch, *, eps: NonNegative = GRPO_EPS, zero_constant_groups: bool = False) -> torch.Tensor:
+    """MaxRL (arXiv 2602.02710): A = (R − mean_g)/(mean_g + eps), the group-centred reward divided by the group
+    mean instead of the std (SkyRL's `compute_maxrl_advantage`, eps = 1e-6). A group whose mean is ≤ 0 gets A = 0
+    (prime-rl's rule: no success, no signal; SkyRL divides by eps there, ±R/eps for a mixed-sign group of mean
+    0, and flips every sign for a negative mean). A group of one gets A = R (SkyRL, as grpo)."""
+    if eps < 0:
+        raise ValueError(f"maxrl option eps must be >= 0; got {eps}")
+    mean, _ = batch.group_mean_std()
+    positive = mean > 0
+    adv = torch.where(positive, (batch.scores - mean) / torch.where(positive, mean + eps, torch.ones_like(mean)),
+                      torch.zeros_like(mean))
+    adv = torch.where(batch.group_size == 1, batch.scores, adv)
+    return _zero_constant(batch, _broadcast(adv, batch.mask), zero_constant_groups)
+
+
+def _group_normalised(batch: AdvantageBatch, values: torch.Tensor, eps: float) -> torch.Tensor:
+    """GRPO of every column of `values` [B, K] within the groups: (v − mean_g)/(std_g + eps), std unbiased; a
+    group of one uses mean 0, std 1 (as `grpo`)."""
+    count = batch.group_size.to(values.dtype)[:, None]
+    mean = (batch.group_sum(values) / batch.group_sum(torch.ones_like(values)))[batch.group_index]
+    dev2 = batch.group_sum((values - mean).square())[batch.group_index]
+    std = (dev2 / (count - 1).clamp_min(1)).sqrt()
+    single = (batch.group_size == 1)[:, None]
+    mean = torch.where(single, torch.zeros_like(mean), mean)
+    std = torch.where(single, torch.ones_like(std), std)
+    return (values - mean) / (std + eps)
+
+
+def _whiten(x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """(x − μ)/sqrt(var + 1e-8) with μ and the unbiased variance over the entries where mask > 0 (a variance of
+    0 where fewer than two entries count): verl's masked_whiten."""
+    n = mask.sum()
+    mu = (x * mask).sum() / n.clamp_min(1)
+    var = ((x - mu).square() * mask).sum() / (n - 1).clamp_min(1)
+    return (x - mu) * torch.rsqrt(torch.where(n > 1, var, torch.zeros_like(var)) + WHITEN_EPS)
+
+
+def gdpo(batch: AdvantageBatch, *, reward_terms: torch.Tensor | None = None,
+         reward_weights: torch.Tensor | None = None, eps: NonNegative = GRPO_EPS,
+         batch_norm: Literal["token", "sequence", "none"] = "token",
+         zero_constant_groups: bool = False) -> torch.Tensor:
+    """GDPO (arXiv 2601.05242; verl's `compute_gdpo_outcome_advantage`): every reward term normalised within the
+    group on its own, then combined, then normalised over the batch.
+
+    reward_terms [B, K]: each rollout's unweighted value of each term; reward_weights [K] (default 1 each).
+    A_b = Σ_k w_k·(r_bk − mean_g r_k)/(std_g r_k + eps) (std unbiased; a group of one: mean 0, std 1), then
+    `batch_norm`: "token" whitens A over the valid tokens (verl: mean and unbiased variance over tokens,
+    (A − μ)/sqrt(var + 1e-8), so a long response weighs more), "sequence" over the rows (TRL's
+    `normalize_then_sum`, NeMo-RL), "none" leaves it. With one term (K = 1, or `reward_terms` None) it is `grpo`
+    of `rewards` exactly, as TRL-GDPO applies GDPO only to more than one reward.
+    `zero_constant_groups`: A = 0 in a group where every term is constant (the batch normalisation would shift
+    such a group to −μ/σ otherwise)."""
+    if eps < 0:
+        raise ValueError(f"gdpo option eps must be >= 0; got {eps}")
+    if reward_terms is None or reward_terms.shape[-1] == 1:
+        return grpo(batch, eps=eps, zero_constant_groups=zero_constant_groups)
+    rows = batch.scores.shape[0]
+    if reward_terms.dim() != 2 or reward_terms.shape[0] != rows:
+        raise ValueError(f"gdpo reward_terms must be [B, K] with B = {rows}; got {list(reward_terms.shape)}")
+    terms = reward_terms.detach().float().to(batch.scores.device)
+    k = terms.shape[1]
+    weights = (torch.ones(k, device=terms.device) if reward_weights is None
+               else torch.as_tensor(reward_weights, dtype=torch.float32, device=terms.device).detach())
+    if tuple(weights.shape) != (k,):
+        raise ValueError(f"gdpo reward_weights must hold one weight per term ({k}); got {list(weights.shape)}")
+    if not torch.isfinite(terms).all():
+        raise ValueError("gdpo reward_terms hold a non-finite value")
+    combined = (_group_normalised(batch, terms, eps) * weights).sum(1)
+    if batch_norm == "token":
+        adv = _whiten(_broadcast(combined, batch.mask), batch.mask)
+    elif batch_norm == "sequence":
+        adv = _broadcast(_whiten(combined, torch.ones_like(combined)), batch.mask)
+    elif batch_norm == "none":
+        adv = _broadcast(combined, batch.mask)
+    else:
+        raise ValueError(f"gdpo batch_norm must be 'token', 'sequence' or 'none'; got {batch_norm!r}")
+    adv = adv * batch.mask
+    if not zero_constant_groups:
+        return adv
+    constant = torch.stack([constant_groups(terms[:, j].contiguous(), batch.group_index, batch.num_groups)
+                            for j in range(k)]).all(0)[batch.group_index] & (batch.group_size > 1)
+    return torch.where(constant[:, None], torch.zeros_like(adv), adv)
+
+
 def reinforce(batch: AdvantageBatch, *, zero_constant_groups: bool = False) -> torch.Tensor:
     """A_t = G_t (reward-to-go, no baseline); equals R on every valid token for outcome rewards."""
     return _zero_constant(batch, batch.returns.clone(), zero_constant_groups)
@@ -215,9 +303,10 @@ def otb_tir(batch: AdvantageBatch, *, logprobs: torch.Tensor | None = None,
 
 
 # Inputs a caller supplies to every estimator besides the AdvantageBatch (the trainer's detached log-probs, Σπ²
-# and IS weights); every other keyword parameter of an estimator is a user option. compute_advantages also uses
-# them for the variance-proxy metrics, whether or not the estimator takes them.
-ADVANTAGE_INPUTS = frozenset({"logprobs", "sum_pi_sq", "is_weights"})
+# and IS weights; each rollout's per-term rewards [B, K] and the terms' weights [K]); every other keyword
+# parameter of an estimator is a user option. compute_advantages also uses the first three for the
+# variance-proxy metrics, whether or not the estimator takes them.
+ADVANTAGE_INPUTS = frozenset({"logprobs", "sum_pi_sq", "is_weights", "reward_terms", "reward_weights"})
 
 
 @dataclass(frozen=True)
@@ -228,13 +317,22 @@ class AdvantageSpec(Registered):
     def of(cls, name: str, fn: Callable[..., torch.Tensor]) -> AdvantageSpec:
         return cls.build(name, fn, ADVANTAGE_INPUTS, positional=1)
 
+    def spans_batch(self, options: Mapping[str, Any]) -> bool:
+        """Whether, with `options`, the advantages of a row depend on rows outside its group (GDPO's batch
+        normalisation unless `batch_norm` is "none"): the caller must then run the estimator on the whole batch."""
+        if "batch_norm" not in self.options:
+            return False
+        return options.get("batch_norm", self.options["batch_norm"].default) != "none"
+
     def compute(self, *, rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
                 logprobs: torch.Tensor | None = None, sum_pi_sq: torch.Tensor | None = None,
-                is_weights: torch.Tensor | None = None, options: Mapping[str, Any] | None = None,
+                is_weights: torch.Tensor | None = None, reward_terms: torch.Tensor | None = None,
+                reward_weights: torch.Tensor | None = None, options: Mapping[str, Any] | None = None,
                 with_metrics: bool = True) -> AdvantageOutput:
         """Advantages of this estimator with already-checked `options` (see `compute_advantages`); the inputs it
         does not take only feed the metrics. `with_metrics=False` skips the metrics (e.g. per micro-batch)."""
-        supplied = {"logprobs": logprobs, "sum_pi_sq": sum_pi_sq, "is_weights": is_weights}
+        supplied = {"logprobs": logprobs, "sum_pi_sq": sum_pi_sq, "is_weights": is_weights,
+                    "reward_terms": reward_terms, "reward_weights": reward_weights}
         batch = make_advantage_batch(rewards, mask, group_ids)
         with torch.no_grad():
             adv = self.fn(batch, **{k: v for k, v in supplied.items() if k in self.inputs}, **(options or {}))
@@ -249,6 +347,8 @@ ADVANTAGE_SPECS: dict[str, AdvantageSpec] = {spec.name: spec for spec in (
     AdvantageSpec.of("dr_grpo", dr_grpo),
     AdvantageSpec.of("rloo", rloo),
     AdvantageSpec.of("reinforce", reinforce),
+    AdvantageSpec.of("maxrl", maxrl),
+    AdvantageSpec.of("gdpo", gdpo),
     AdvantageSpec.of("otb", otb),
     AdvantageSpec.of("otb_tir", otb_tir),
 )}
@@ -346,11 +446,12 @@ def advantage_metrics(batch: AdvantageBatch, advantages: torch.Tensor, *, logpro
 
 def compute_advantages(name: str, *, rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
                        **inputs) -> AdvantageOutput:
-    """Advantages [B, T] by estimator `name` (one of ADVANTAGE_ESTIMATORS: grpo, dr_grpo, rloo, reinforce, otb,
-    otb_tir). See each estimator's docstring for its formula and options.
+    """Advantages [B, T] by estimator `name` (one of ADVANTAGE_ESTIMATORS: grpo, dr_grpo, rloo, reinforce, maxrl,
+    gdpo, otb, otb_tir). See each estimator's docstring for its formula and options.
 
     rewards [B] or [B, T]; mask [B, T]; group_ids [B] integer. Extra `inputs` are the estimator's options
-    (e.g. otb: logprobs, sum_pi_sq, is_weights, handle_zero_tail; grpo: eps). Any estimator also accepts
+    (e.g. otb: logprobs, sum_pi_sq, is_weights, handle_zero_tail; grpo: eps; gdpo: reward_terms [B, K],
+    reward_weights [K], batch_norm). Any estimator also accepts
     `logprobs` + `sum_pi_sq` (+ `is_weights`) to report the forward-only gradient-variance proxies of
     docs/theory.md §7. Unknown inputs raise a TypeError naming the accepted ones.
     Metrics: adv/mean, adv/std, adv/abs_max, adv/num_groups, adv/group_size_mean, adv/frac_zero_std_groups,

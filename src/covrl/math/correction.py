@@ -10,13 +10,16 @@ Importance sampling (`is_level`):
 Weights are detached and 0 on padding.
 
 Rejection (`rs` with `rs_threshold`, all criteria must pass; a rejected token or row gets keep = 0), with
-k1 = −lr, k2 = ½ lr², k3 = r − 1 − lr per valid token:
-- token_k1 | token_k2 | token_k3: per token.
-- seq_sum_k*: Σ_t k over valid tokens; seq_mean_k*: mean over valid tokens; seq_max_k2 | seq_max_k3: max.
-- k2/k3 thresholds are upper bounds δ (keep if statistic ≤ δ). k1 thresholds are bands on the ratio:
+k1 = −lr, k2 = ½ lr², k3 = r − 1 − lr and bkl = max(KL_B(p‖q), KL_B(q‖p)) per valid token, KL_B the KL
+between the Bernoulli distributions (p_t, 1 − p_t) and (q_t, 1 − q_t) of the drawn token (KPop):
+- token_k1 | token_k2 | token_k3 | token_bkl: per token.
+- seq_sum_*: Σ_t over valid tokens; seq_mean_*: mean over valid tokens; seq_max_k2 | seq_max_k3 | seq_max_bkl.
+- k2/k3/bkl thresholds are upper bounds δ (keep if statistic ≤ δ). k1 thresholds are bands on the ratio:
   (lo, hi) keeps token_k1 if lo ≤ ρ_t ≤ hi, seq_sum_k1 if lo ≤ exp(Σ lr) ≤ hi, seq_mean_k1 if
   lo ≤ exp(mean lr) ≤ hi (the geometric, length-invariant ratio); a single number t > 1 means (1/t, t).
 Bands may also be written as verl's strings "lo_hi" (e.g. "0.999_1.001").
+IcePop is token_k1 with a band (and the band as is_threshold), KPop token_bkl: `CorrectionConfig.icepop` and
+`CorrectionConfig.kpop` build them.
 `keep` is already multiplied by `mask`. To "normalise by the full count" (TRM) aggregate the loss of the kept
 tokens with the original mask: aggregate(token_loss * keep, mask, mode).
 """
@@ -26,7 +29,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Annotated, Literal
+from typing import Annotated, Literal, Self
 
 import torch
 from pydantic import AllowInfNan, BaseModel, ConfigDict, Field, field_validator, model_validator
@@ -47,39 +50,67 @@ Band = tuple[float, float]
 
 # ------------------------------------------------------------------------------------------ rejection stats
 
-_K = {k: KL_ESTIMATORS[k] for k in ("k1", "k2", "k3")}   # on the log-ratio of each drawn token
+BINARY_KL_EPS = 1e-8   # probabilities clamped to [eps, 1 − eps] for the binary KL (AReaL's eps)
 
 
-def _token_stat(k):
-    def stat(lr, mask):
-        return _K[k](lr)
+def binary_kl(log_a: torch.Tensor, log_b: torch.Tensor) -> torch.Tensor:
+    """KL(Bern(a) ‖ Bern(b)) = a·log(a/b) + (1 − a)·log((1 − a)/(1 − b)) from log-probabilities, with a and b
+    clamped to [BINARY_KL_EPS, 1 − BINARY_KL_EPS]. The complements come from expm1 in log space, so a token of
+    probability 1 in fp32 (1 − 1e-8 rounds to 1 there) stays finite: KL ≥ 0 everywhere."""
+    lo, hi = math.log(BINARY_KL_EPS), math.log1p(-BINARY_KL_EPS)
+    la, lb = log_a.float().clamp(lo, hi), log_b.float().clamp(lo, hi)
+    l1a, l1b = torch.log(-torch.expm1(la)), torch.log(-torch.expm1(lb))
+    return (torch.exp(la) * (la - lb) + -torch.expm1(la) * (l1a - l1b)).clamp_min(0.0)
+
+
+def bidirectional_binary_kl(logp: torch.Tensor, logq: torch.Tensor) -> torch.Tensor:
+    """KPop's statistic per drawn token: max(KL_B(p‖q), KL_B(q‖p)) of the trainer's and the sampler's probability
+    of that token (each Bernoulli: this token or any other)."""
+    return torch.maximum(binary_kl(logp, logq), binary_kl(logq, logp))
+
+
+# per-token statistics of a drawn token from (lr, log p, log q); k* estimate KL(q‖p) from the log-ratio alone
+_K = {k: KL_ESTIMATORS[k] for k in ("k1", "k2", "k3")}
+_TOKEN_STATS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "k1": lambda lr, lp, lq: _K["k1"](lr), "k2": lambda lr, lp, lq: _K["k2"](lr),
+    "k3": lambda lr, lp, lq: _K["k3"](lr),
+    "bkl": lambda lr, lp, lq: bidirectional_binary_kl(lp, lq),
+}
+
+
+def _token(s):
+    def stat(lr, mask, lp, lq):
+        return _TOKEN_STATS[s](lr, lp, lq)
     return stat
 
 
-def _seq_sum(k):
-    def stat(lr, mask):
-        return (torch.where(mask > 0, _K[k](lr), torch.zeros_like(lr))).sum(1, keepdim=True)
+def _seq_sum(s):
+    def stat(lr, mask, lp, lq):
+        return (torch.where(mask > 0, _TOKEN_STATS[s](lr, lp, lq), torch.zeros_like(lr))).sum(1, keepdim=True)
     return stat
 
 
-def _seq_mean(k):
-    def stat(lr, mask):
-        return masked_mean(_K[k](lr), mask, dim=1)[:, None]
+def _seq_mean(s):
+    def stat(lr, mask, lp, lq):
+        return masked_mean(_TOKEN_STATS[s](lr, lp, lq), mask, dim=1)[:, None]
     return stat
 
 
-def _seq_max(k):
-    def stat(lr, mask):
-        return masked_max(_K[k](lr), mask, dim=1)[:, None]
+def _seq_max(s):
+    def stat(lr, mask, lp, lq):
+        return masked_max(_TOKEN_STATS[s](lr, lp, lq), mask, dim=1)[:, None]
     return stat
 
 
-# name -> statistic(lr [B,T], mask [B,T]) -> [B,T] (token) or [B,1] (sequence); k1 statistics are −log ratio
-REJECTION_CRITERIA: dict[str, Callable[[torch.Tensor, torch.Tensor], torch.Tensor]] = {
-    "token_k1": _token_stat("k1"), "token_k2": _token_stat("k2"), "token_k3": _token_stat("k3"),
+# name -> statistic(lr, mask, trainer log-probs, sampler log-probs, all [B,T]) -> [B,T] (token) or [B,1]
+# (sequence); k1 statistics are −log ratio (a max of −log ratio is not a criterion: use token_k1)
+REJECTION_CRITERIA: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "token_k1": _token("k1"), "token_k2": _token("k2"), "token_k3": _token("k3"),
     "seq_sum_k1": _seq_sum("k1"), "seq_sum_k2": _seq_sum("k2"), "seq_sum_k3": _seq_sum("k3"),
     "seq_mean_k1": _seq_mean("k1"), "seq_mean_k2": _seq_mean("k2"), "seq_mean_k3": _seq_mean("k3"),
     "seq_max_k2": _seq_max("k2"), "seq_max_k3": _seq_max("k3"),
+    "token_bkl": _token("bkl"), "seq_sum_bkl": _seq_sum("bkl"), "seq_mean_bkl": _seq_mean("bkl"),
+    "seq_max_bkl": _seq_max("bkl"),
 }
 
 
@@ -120,7 +151,8 @@ class CorrectionConfig(BaseModel):
     rs: list[str] = Field(default_factory=list, description=(
         f"rejection criteria, all must pass; allowed: {', '.join(REJECTION_CRITERIA)}"))
     rs_threshold: list[float | tuple[float, float]] = Field(default_factory=list, description=(
-        "one threshold per rs criterion: upper bound for k2/k3, ratio band (lo, hi) or t>1 meaning (1/t, t) for k1"))
+        "one threshold per rs criterion: upper bound for k2/k3/bkl, ratio band (lo, hi) or t>1 meaning (1/t, t) "
+        "for k1 (token_k1 with a band is IcePop, token_bkl KPop)"))
 
     @field_validator("is_threshold", mode="before")
     @classmethod
@@ -169,8 +201,8 @@ class CorrectionConfig(BaseModel):
                                      f"(1/t, t) and must be > 1; got {t}")
             else:
                 if isinstance(t, tuple):
-                    raise ValueError(f"rs_threshold for {name}: k2/k3 thresholds are upper bounds (a number > 0), "
-                                     f"not a band; got {t}")
+                    raise ValueError(f"rs_threshold for {name}: k2/k3/bkl thresholds are upper bounds (a number "
+                                     f"> 0), not a band; got {t}")
                 if not t > 0:
                     raise ValueError(f"rs_threshold for {name} must be > 0; got {t}")
         return self
@@ -178,6 +210,27 @@ class CorrectionConfig(BaseModel):
     def k1_band(self, threshold) -> Band:
         """(lo, hi) ratio band of a k1 threshold."""
         return tuple(threshold) if isinstance(threshold, tuple) else (1.0 / threshold, float(threshold))
+
+    @classmethod
+    def icepop(cls, low: float = 0.5, high: float = 5.0, level: Literal["token", "sequence"] = "token") -> Self:
+        """IcePop (Ring-1T; verl's `decoupled_token_icepop`, AReaL's ratio mask, TRL's token_mask / sequence_mask):
+        tokens (level token) or rows (level sequence, on exp(Σ lr)) whose ratio p/q leaves [low, high] are masked
+        (keep 0, `token_k1` / `seq_sum_k1` with the band) and the others carry the IS weight ρ (the band as
+        `is_threshold`: 0 outside). Under the pairing rule a loss whose ratio is against the sampler (ppo_clip)
+        takes the mask and not the weights, so IcePop means the same thing for every loss."""
+        band = (float(low), float(high))
+        return cls(is_level=level, is_threshold=band, rs=["token_k1" if level == "token" else "seq_sum_k1"],
+                   rs_threshold=[band])
+
+    @classmethod
+    def kpop(cls, phi: float = 0.1, criterion: str = "token_bkl") -> Self:
+        """KPop (Ant Group 2026; AReaL's `binary_kl` metric): tokens whose bidirectional binary KL between the
+        trainer's and the sampler's probability of the drawn token exceeds `phi` are masked (`criterion` one of
+        the *_bkl criteria: per token, or a row's sum / mean / max), the others carry the untruncated token IS
+        weight ρ (is_threshold inf), as AReaL multiplies its loss by the behaviour ratio."""
+        if not criterion.endswith("_bkl"):
+            raise ValueError(f"kpop criterion must be one of the *_bkl criteria; got {criterion!r}")
+        return cls(is_level="token", is_threshold=math.inf, rs=[criterion], rs_threshold=[float(phi)])
 
 
 @dataclass
@@ -232,11 +285,12 @@ def _log_ratio(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, v
     return torch.where(valid, lr, torch.zeros_like(lr))
 
 
-def _passes(lr: torch.Tensor, maskf: torch.Tensor, config: CorrectionConfig) -> list[tuple[str, torch.Tensor]]:
+def _passes(lr: torch.Tensor, maskf: torch.Tensor, logp: torch.Tensor, logq: torch.Tensor,
+            config: CorrectionConfig) -> list[tuple[str, torch.Tensor]]:
     """(criterion, passed [B, T] bool) for every rejection criterion of `config`."""
     out = []
     for name, threshold in zip(config.rs, config.rs_threshold):
-        stat = REJECTION_CRITERIA[name](lr, maskf)
+        stat = REJECTION_CRITERIA[name](lr, maskf, logp, logq)
         if name.endswith("k1"):
             # k1 = −log ratio: the band is on exp(−k1)
             passed = _in_band_log(-stat, config.k1_band(threshold))
@@ -260,9 +314,12 @@ def rollout_correction(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
     trainer_logprobs, sampler_logprobs, mask: [B, T]; inputs are detached. `config` may be a CorrectionConfig,
     a dict of its fields, or None (defaults: no IS, no rejection; metrics only). `with_metrics=False` returns
     no metrics (compute them later on assembled pieces with `correction_metrics`).
-    Metrics: mismatch/k1, mismatch/k3 (mean over valid tokens), mismatch/log_ppl_abs_diff
-    (mean_b |mean_t log q − mean_t log p|), mismatch/chi2_token (mean ρ_t² − 1), mismatch/chi2_seq
-    (mean_b ρ_b² − 1, ρ_b clamped at e^20), mismatch/max_abs_lr, correction/ess and correction/ess_frac
+    Metrics: mismatch/k1, mismatch/k3, mismatch/bkl (mean over valid tokens, masked ones included),
+    mismatch/log_ppl_abs_diff (mean_b |mean_t log q − mean_t log p|), mismatch/chi2_token (mean ρ_t² − 1),
+    mismatch/chi2_seq (mean_b ρ_b² − 1, ρ_b clamped at e^20), mismatch/max_abs_lr, mismatch/k3_kept and
+    mismatch/k3_dropped (mean token k3 over the kept / dropped valid tokens: dropped = keep 0, or weight 0 by an IS
+    band), correction/dropped_frac, correction/zero_weight_frac (valid tokens with IS weight 0),
+    correction/ess and correction/ess_frac
     ((Σw)²/Σw² over kept units, and divided by their count), correction/masked_frac (valid tokens with keep 0),
     correction/seq_masked_frac (rows with valid tokens and none kept), correction/rejected_frac/<criterion>,
     correction/is_changed_frac (units truncated or zeroed), correction/weight_mean, correction/weight_max.
@@ -274,7 +331,7 @@ def rollout_correction(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
         maskf = mask.float()
         valid = maskf > 0
         lr = _log_ratio(trainer_logprobs, sampler_logprobs, valid)
-        passes = _passes(lr, maskf, config)
+        passes = _passes(lr, maskf, trainer_logprobs, sampler_logprobs, config)
         keep = valid.clone()
         for _, passed in passes:
             keep &= passed
@@ -297,7 +354,7 @@ def correction_metrics(trainer_logprobs: torch.Tensor, sampler_logprobs: torch.T
         maskf = mask.float()
         lr = _log_ratio(trainer_logprobs, sampler_logprobs, maskf > 0)
         return _correction_metrics(trainer_logprobs, sampler_logprobs, lr, maskf, weights.float(), keep.float(),
-                                   _passes(lr, maskf, config), config)
+                                   _passes(lr, maskf, trainer_logprobs, sampler_logprobs, config), config)
 
 
 def _correction_metrics(trainer_logprobs, sampler_logprobs, lr, maskf, weights, keep_f, passes,
@@ -306,6 +363,16 @@ def _correction_metrics(trainer_logprobs, sampler_logprobs, lr, maskf, weights, 
                for name, passed in passes}
     metrics.update(_mismatch_metrics(trainer_logprobs, sampler_logprobs, lr, maskf))
     metrics.update(_weight_metrics(weights, keep_f, maskf, config))
+    # the mismatch above is over every valid token, masked or not (masking must not hide a widening gap); split:
+    # dropped = rejected, or weight 0 by an IS band (a loss that takes the weights learns nothing there)
+    dropped = (keep_f == 0) | ((weights == 0) if config.is_level is not None else torch.zeros_like(keep_f, dtype=bool))
+    dropped_f = dropped.float() * maskf
+    k3 = _K["k3"](lr)
+    metrics["correction/zero_weight_frac"] = (item(masked_mean((weights == 0).float(), maskf))
+                                              if config.is_level is not None else 0.0)
+    metrics["correction/dropped_frac"] = item(masked_mean(dropped_f, maskf))
+    metrics["mismatch/k3_dropped"] = item(masked_mean(k3, dropped_f))
+    metrics["mismatch/k3_kept"] = item(masked_mean(k3, maskf - dropped_f))
     if config.is_level is None:
         metrics["correction/is_changed_frac"] = 0.0
     else:
@@ -328,6 +395,7 @@ def _mismatch_metrics(trainer_logprobs, sampler_logprobs, lr, maskf) -> dict[str
         "mismatch/chi2_seq": item(masked_mean(torch.exp(2.0 * seq_lr), valid_rows) - 1.0)
         if valid_rows.sum() > 0 else 0.0,
         "mismatch/max_abs_lr": item(masked_max(lr.abs(), maskf)),
+        "mismatch/bkl": item(masked_mean(bidirectional_binary_kl(trainer_logprobs, sampler_logprobs), maskf)),
     }
 
 

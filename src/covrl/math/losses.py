@@ -3,17 +3,19 @@
 Every loss function in POLICY_LOSSES has the signature
     fn(*, logprobs, sampler_logprobs, advantages, mask, is_weights, **options) -> token_loss [B, T]
 and `policy_loss(name, ...)` aggregates it and adds shared metrics. The pairing rule of docs/theory.md §6:
-ppo_clip, gspo, gspo_token, gmpo, cispo and sapo take their ratio against `sampler_logprobs` and need no extra IS
-weights; covariance / reinforce use detached IS weights that multiply −A·log p. The rule is declared where a loss is registered
+ppo_clip, gspo, gspo_token, gmpo, cispo, sapo, dppo, vespo and luspo take their ratio (or divergence) against
+`sampler_logprobs` and need no extra IS weights; covariance / reinforce / dro use detached IS weights that multiply
+their token loss. The rule is declared where a loss is registered
 (`LossSpec.ratio_vs_sampler`, read by `LossSpec.takes_is_weights`), with its user options read once from the
 signature (see `covrl.math._registry.Registered`).
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -27,6 +29,7 @@ from covrl.math._util import (
     masked_max,
     masked_mean,
     masked_min,
+    masked_sum,
 )
 from covrl.math.kl import KL_ESTIMATORS
 
@@ -179,6 +182,11 @@ def gspo_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None, 
     `is_weights` (normally None by the pairing rule) multiply ℓ.
     """
     _check_clip("gspo", clip_low, clip_high)
+    return _sequence_clip_loss(logprobs, sampler_logprobs, advantages, mask, is_weights, clip_low, clip_high)
+
+
+def _sequence_clip_loss(logprobs, sampler_logprobs, advantages, mask, is_weights, clip_low, clip_high):
+    """GSPO's clipped sequence loss ℓ_b (see `gspo_loss`), broadcast over the row's tokens; shared with `luspo`."""
     lr = clamped_log_ratio(logprobs, sampler_logprobs.detach())
     seq_ratio = torch.exp(_row_mean(lr, mask))
     adv = _row_mean(advantages.detach().float(), mask)
@@ -252,6 +260,140 @@ def sapo_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None, 
     return -adv * gate * _weights(is_weights, ratio)
 
 
+# The 2026 losses: DPPO (a divergence trust region), DRO (a squared log-ratio penalty), VESPO and LUSPO (sequence
+# level, after TRL). docs/math.md gives each reference with its commit; docs/theory.md §14 reads them through §4–§6.
+
+def _log_ratio_on(logprobs, sampler_logprobs, mask) -> torch.Tensor:
+    """log p − log q in fp32 with the gradient of log p, unclamped on valid tokens and 0 on padding: a penalty on
+    (log ρ)² needs the true log-ratio (a clamp would cut its pull back towards q), and padding may hold −inf."""
+    valid = mask > 0
+    zero = torch.zeros((), dtype=torch.float32, device=logprobs.device)
+    q = torch.where(valid, sampler_logprobs.detach().float(), zero)
+    return torch.where(valid, logprobs.float() - q, zero)
+
+
+def _binary_tv(p, q, lp, lq):
+    """|π(y) − μ(y)| of the sampled token, as the signed difference (its sign says which way the token moved)."""
+    return p - q, (p - q).abs()
+
+
+def _binary_kl(p, q, lp, lq):
+    """KL(Bern(μ(y)) ‖ Bern(π(y))), with the 1e-8 guard of the references' (verl, SkyRL) formula."""
+    return p - q, q * (lq - lp) + (1.0 - q) * torch.log((1.0 - q + 1e-8) / (1.0 - p + 1e-8))
+
+
+# divergence -> fn(p, q, log p, log q) -> (p − q, divergence) and the default bound δ: TV 0.2 (prime-rl's and
+# SkyRL's default), binary KL 0.05 (SkyRL's recommendation, verl's example script)
+DPPO_DIVERGENCES: dict[str, tuple[Callable, float]] = {"tv": (_binary_tv, 0.2), "kl": (_binary_kl, 0.05)}
+
+
+def _dppo_bounds(divergence: str, delta_low: float | None, delta_high: float | None) -> tuple[Callable, float, float]:
+    fn, default = choose(divergence, "dppo divergence", DPPO_DIVERGENCES)
+    low = default if delta_low is None else delta_low
+    high = default if delta_high is None else delta_high
+    if not (low >= 0 and high >= 0):
+        raise ValueError(f"dppo needs delta_low >= 0 and delta_high >= 0; got delta_low={low!r}, "
+                         f"delta_high={high!r}")
+    return fn, float(low), float(high)
+
+
+def _dppo_masked(logprobs, sampler_logprobs, advantages, divergence, delta_low, delta_high):
+    """(masked_low, masked_high), bool [B, T]: A < 0 and the token's probability already fell past the bound;
+    A > 0 and it already rose past it. A = 0 tokens carry no gradient and are never counted."""
+    fn, low, high = _dppo_bounds(divergence, delta_low, delta_high)
+    with torch.no_grad():
+        lp, lq = logprobs.detach().float(), sampler_logprobs.detach().float()
+        diff, div = fn(torch.exp(lp), torch.exp(lq), lp, lq)
+        adv = advantages.detach().float()
+        return (adv < 0) & (diff < 0) & (div > low), (adv > 0) & (diff > 0) & (div > high)
+
+
+def dppo_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None,
+              divergence: Literal["tv", "kl"] = "tv", delta_low: float | None = None,
+              delta_high: float | None = None, is_cap: float | None = None, kl_coef: float = 0.0) -> torch.Tensor:
+    """DPPO (Qi et al. 2026, arXiv 2602.04879): a trust region on an estimated divergence, not on the ratio.
+
+    ℓ_t = −keep_t · A_t · ρ̃_t + kl_coef · lr_t², ρ̃_t = sg(w_t)·p_t/sg(p_t) (value w_t, gradient w_t·∇log p_t),
+    w_t = ρ_t or min(ρ_t, is_cap); lr_t = log p − log q unclamped. keep_t = 0 where the token already moved past the
+    bound in the direction A pushes: A > 0 and p − q > 0 with D > delta_high, or A < 0 and p − q < 0 with
+    D > delta_low; D = |p − q| (divergence="tv", binary TV of the sampled token) or KL(Bern(q) ‖ Bern(p))
+    ("kl"). delta_* = None: 0.2 for tv, 0.05 for kl. Defaults are the paper's DPPO-Binary-TV; prime-rl's default
+    loss is kl_coef=1e-3; verl's dppo_tv / dppo_kl use is_cap=20 (its clip_ratio_c). `is_weights` multiply ℓ.
+    """
+    if is_cap is not None and not is_cap > 0:
+        raise ValueError(f"dppo option is_cap must be > 0 or None; got {is_cap!r}")
+    if not kl_coef >= 0:
+        raise ValueError(f"dppo option kl_coef must be >= 0; got {kl_coef!r}")
+    low, high = _dppo_masked(logprobs, sampler_logprobs, advantages, divergence, delta_low, delta_high)
+    lp = logprobs.float()
+    w = torch.exp(clamped_log_ratio(lp.detach(), sampler_logprobs.detach()))
+    if is_cap is not None:
+        w = w.clamp(max=float(is_cap))
+    keep = (~(low | high)).float()
+    loss = -advantages.detach().float() * keep * w * torch.exp(lp - lp.detach())
+    if kl_coef:
+        loss = loss + kl_coef * _log_ratio_on(logprobs, sampler_logprobs, mask).square()
+    return loss * _weights(is_weights, loss)
+
+
+def dro_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None, beta: float = 0.05) -> torch.Tensor:
+    """DRO, direct reward optimisation (Richemond et al. 2024) as in verl's `dro` and Tinker's `dro` loss_fn.
+
+    ℓ_t = −w_t · (A_t · log p(y_t) − β/2 · lr_t²), lr_t = log p − log q unclamped, w_t = sg(is_weights) or 1: a
+    squared penalty in place of a clip. Gradient −w·(A − β·lr)·∇log p: at p = q that of `covariance`; the penalty
+    is β times the gradient of Σ_t ½lr_t² (k2 of KL(q‖p)). Default β = 0.05 (Tinker's documented example; verl
+    has no default and requires β > 0).
+    """
+    if not beta > 0:
+        raise ValueError(f"dro option beta must be > 0; got {beta!r}")
+    lr = _log_ratio_on(logprobs, sampler_logprobs, mask)
+    return -(advantages.detach().float() * logprobs.float() - 0.5 * beta * lr.square()) * _weights(is_weights, lr)
+
+
+LOG_W_FLOOR = math.log(1e-8)   # VESPO's floor of the sequence log-ratio (TRL's, matching the paper's code)
+
+
+def _vespo_phi(logprobs, sampler_logprobs, advantages, mask, k_pos, lambda_pos, k_neg, lambda_neg):
+    """(φ [B, T], log W [B]), no gradient: W = exp(clamp(Σ_t lr_t, log 1e-8, 20)) the sequence ratio,
+    φ = W^k·exp(λ(1 − W)) with (k, λ) by the sign of A_t (A >= 0: the _pos pair)."""
+    for name, v in (("k_pos", k_pos), ("lambda_pos", lambda_pos), ("k_neg", k_neg), ("lambda_neg", lambda_neg)):
+        if not v >= 0:
+            raise ValueError(f"vespo option {name} must be >= 0; got {v!r}")
+    with torch.no_grad():
+        lr = clamped_log_ratio(logprobs.detach(), sampler_logprobs.detach())
+        log_w = masked_sum(lr, mask, dim=1).clamp(LOG_W_FLOOR, LOG_RATIO_CLAMP)
+        nonneg = advantages.detach().float() >= 0
+        k = torch.where(nonneg, float(k_pos), float(k_neg))
+        lam = torch.where(nonneg, float(lambda_pos), float(lambda_neg))
+        log_phi = lam + k * log_w[:, None] - lam * torch.exp(log_w)[:, None]
+        return torch.exp(log_phi).nan_to_num(nan=0.0, posinf=0.0, neginf=0.0), log_w
+
+
+def vespo_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None, k_pos: float = 2.0,
+               lambda_pos: float = 3.0, k_neg: float = 3.0, lambda_neg: float = 2.0) -> torch.Tensor:
+    """VESPO (arXiv 2602.10693) as in TRL's `loss_type="vespo"`: a smooth Gamma-shaped weight of the sequence ratio.
+
+    ℓ_t = −sg(φ(W_b)) · A_t · log p(y_t), W_b = p(y_b)/q(y_b) = exp(Σ_t lr_t) (clamped to [1e-8, e^20]),
+    φ(W) = W^k·e^{λ(1−W)} (φ(1) = 1, peak at W = k/λ), (k, λ) = (k_pos, lambda_pos) where A_t >= 0 else
+    (k_neg, lambda_neg); defaults are TRL's. k = 1, λ = 0 is sequence-level IS (unbiased, unbounded weight).
+    TRL aggregates with the global token mean (covrl's `token-mean`). `is_weights` (normally None) multiply ℓ.
+    """
+    phi, _ = _vespo_phi(logprobs, sampler_logprobs, advantages, mask, k_pos, lambda_pos, k_neg, lambda_neg)
+    return -phi * advantages.detach().float() * logprobs.float() * _weights(is_weights, phi)
+
+
+def luspo_loss(*, logprobs, sampler_logprobs, advantages, mask, is_weights=None, clip_low: float = 2e-3,
+               clip_high: float = 2.5e-3) -> torch.Tensor:
+    """LUSPO (arXiv 2602.05261) as in TRL's `loss_type="luspo"`: GSPO with each sequence's loss scaled by its length.
+
+    The token loss is `gspo`'s (ℓ_b broadcast over the row), so the sum over a row is |y_b|·ℓ_b: aggregate with
+    `seq-mean-token-sum` for TRL's mean_b |y_b|·ℓ_b exactly (`token-mean` is that times B/Σ|y|, a per-batch constant;
+    `seq-mean-token-mean` divides by |y_b| again and gives GSPO back). Defaults: the paper's clip (2e-3, 2.5e-3).
+    """
+    _check_clip("luspo", clip_low, clip_high)
+    return _sequence_clip_loss(logprobs, sampler_logprobs, advantages, mask, is_weights, clip_low, clip_high)
+
+
 # Inputs a caller supplies to every loss; every other keyword parameter of a loss is a user option.
 LOSS_INPUTS = frozenset({"logprobs", "sampler_logprobs", "advantages", "mask", "is_weights"})
 
@@ -259,23 +401,32 @@ LOSS_INPUTS = frozenset({"logprobs", "sampler_logprobs", "advantages", "mask", "
 @dataclass(frozen=True)
 class LossSpec(Registered):
     """A registered loss: `fn(*, logprobs, sampler_logprobs, advantages, mask, is_weights, **options) -> token_loss`
-    (see `Registered`). `ratio_vs_sampler`: the loss takes its ratio against the sampler's log-probs, so by the
-    pairing rule (docs/theory.md §6) it gets no extra IS weights (they would correct twice). `token_clip`: its
-    clip_low / clip_high options bound the token ratio ρ_t at 1 ∓ clip (ppo_clip, cispo), so the clip-fraction
-    metrics use them; every other loss reports what PPO's defaults would clip."""
+    (see `Registered`). `ratio_vs_sampler`: the loss takes its ratio (or divergence) against the sampler's
+    log-probs, so by the pairing rule (docs/theory.md §6) it gets no extra IS weights (they would correct twice).
+    `token_clip`: its clip_low / clip_high options bound the token ratio ρ_t at 1 ∓ clip (ppo_clip, cispo), so the
+    clip-fraction metrics use them; every other loss reports what PPO's defaults would clip, unless `metrics`
+    (fn(*, log_ratio, logprobs, sampler_logprobs, advantages, mask, **options) -> dict, on detached tensors, with
+    every option filled in) replaces those counts by what the loss itself clips or masks, or adds its own."""
 
     ratio_vs_sampler: bool = False
     token_clip: bool = False
+    metrics: Callable[..., dict[str, float]] | None = None
 
     @classmethod
     def of(cls, name: str, fn: Callable[..., torch.Tensor], *, ratio_vs_sampler: bool = False,
-           token_clip: bool = False) -> LossSpec:
-        return cls.build(name, fn, LOSS_INPUTS, ratio_vs_sampler=ratio_vs_sampler, token_clip=token_clip)
+           token_clip: bool = False, metrics: Callable[..., dict[str, float]] | None = None) -> LossSpec:
+        return cls.build(name, fn, LOSS_INPUTS, ratio_vs_sampler=ratio_vs_sampler, token_clip=token_clip,
+                         metrics=metrics)
 
     @property
     def takes_is_weights(self) -> bool:
         """Whether the pairing rule passes the rollout-correction IS weights to this loss."""
         return not self.ratio_vs_sampler
+
+    @property
+    def defaults(self) -> dict[str, Any]:
+        """The options' defaults from the signature (options without one are left out)."""
+        return {n: p.default for n, p in self.options.items() if p.default is not p.empty}
 
     def compute(self, *, logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, is_weights: torch.Tensor | None = None, agg_mode: str = "token-mean",
@@ -292,9 +443,77 @@ class LossSpec(Registered):
                              mask=maskf, is_weights=is_weights, **options)
         token_loss = torch.where(maskf > 0, token_loss * maskf, torch.zeros_like(token_loss))
         loss = aggregate(token_loss, maskf, agg_mode, norm_constant=norm_constant)
-        metrics = _ratio_metrics(logprobs, sampler_logprobs, advantages, maskf, options if self.token_clip else {})
+        filled = {**self.defaults, **options}
+        metrics = _ratio_metrics(logprobs, sampler_logprobs, advantages, maskf, filled if self.token_clip else {})
+        if self.metrics is not None:
+            with torch.no_grad():
+                metrics.update(self.metrics(
+                    log_ratio=clamped_log_ratio(logprobs.detach(), sampler_logprobs.detach()),
+                    logprobs=logprobs.detach(), sampler_logprobs=sampler_logprobs.detach(),
+                    advantages=advantages.detach().float(), mask=maskf, **filled))
         metrics["loss/value"] = item(loss.detach())
         return LossOutput(loss=loss, token_loss=token_loss, metrics=metrics)
+
+
+# Loss-specific metrics (LossSpec.metrics): what the loss itself clips, masks or weighs.
+
+def _fractions(low: torch.Tensor, high: torch.Tensor, mask: torch.Tensor, dual: torch.Tensor | None = None
+               ) -> dict[str, float]:
+    m = {"loss/clip_frac_low": item(masked_mean(low.float(), mask)),
+         "loss/clip_frac_high": item(masked_mean(high.float(), mask))}
+    m["loss/clip_frac"] = m["loss/clip_frac_low"] + m["loss/clip_frac_high"]
+    m["loss/dual_clip_frac"] = 0.0 if dual is None else item(masked_mean(dual.float(), mask))
+    return m
+
+
+def _cispo_metrics(*, log_ratio, advantages, mask, clip_low, clip_high, **_) -> dict[str, float]:
+    """The tokens whose IS weight the clip changes, of either advantage sign (CISPO caps the weight of an A < 0
+    token too); nothing below when clip_low is None (one-sided)."""
+    ratio = torch.exp(log_ratio)
+    low = ratio < 1.0 - clip_low if clip_low is not None else torch.zeros_like(mask, dtype=torch.bool)
+    return _fractions(low, ratio > 1.0 + clip_high, mask)
+
+
+def _dppo_metrics(*, log_ratio, logprobs, sampler_logprobs, advantages, mask, divergence, delta_low, delta_high,
+                  is_cap, **_) -> dict[str, float]:
+    """clip_frac_low / _high: the tokens DPPO masks (A < 0 fallen past the bound / A > 0 risen past it);
+    dual_clip_frac: kept tokens whose ratio is_cap truncates; masked_k3 / kept_k3: the mismatch (k3 of KL(q‖p))
+    on each side of the mask."""
+    low, high = _dppo_masked(logprobs, sampler_logprobs, advantages, divergence, delta_low, delta_high)
+    masked = low | high
+    truncated = (~masked) & (log_ratio > math.log(is_cap)) if is_cap is not None else None
+    k3 = KL_ESTIMATORS["k3"](log_ratio)
+    return {**_fractions(low, high, mask, truncated),
+            "loss/masked_k3": item(masked_mean(k3, mask * masked.float())),
+            "loss/kept_k3": item(masked_mean(k3, mask * (~masked).float()))}
+
+
+def _dro_metrics(*, logprobs, sampler_logprobs, mask, **_) -> dict[str, float]:
+    """loss/k2: mean ½(log p − log q)², the penalty's estimate of KL(q‖p) per token (unclamped)."""
+    return {"loss/k2": item(masked_mean(0.5 * _log_ratio_on(logprobs, sampler_logprobs, mask).square(), mask))}
+
+
+def _vespo_metrics(*, logprobs, sampler_logprobs, advantages, mask, k_pos, lambda_pos, k_neg, lambda_neg,
+                   **_) -> dict[str, float]:
+    """loss/vespo_phi_mean: token mean of the weight φ(W); loss/seq_log_ratio_mean: mean of log W over the rows
+    with a valid token."""
+    phi, log_w = _vespo_phi(logprobs, sampler_logprobs, advantages, mask, k_pos, lambda_pos, k_neg, lambda_neg)
+    rows = (mask.sum(1) > 0).float()
+    return {"loss/vespo_phi_mean": item(masked_mean(phi, mask)),
+            "loss/seq_log_ratio_mean": item(masked_mean(log_w, rows))}
+
+
+def _sequence_clip_metrics(*, log_ratio, advantages, mask, clip_low, clip_high, **_) -> dict[str, float]:
+    """The tokens of the rows whose sequence ratio s_b = exp(mean_t lr_t) is clipped (Ā_b < 0 and s_b < 1 −
+    clip_low, Ā_b > 0 and s_b > 1 + clip_high), and s_b's mean / max / min over the rows with a valid token."""
+    seq_ratio = torch.exp(_row_mean(log_ratio, mask))
+    adv = _row_mean(advantages, mask)
+    rows = mask.sum(1) > 0
+    low = ((adv < 0) & (seq_ratio < 1.0 - clip_low))[:, None].expand_as(mask)
+    high = ((adv > 0) & (seq_ratio > 1.0 + clip_high))[:, None].expand_as(mask)
+    return {**_fractions(low, high, mask), "loss/seq_ratio_mean": item(masked_mean(seq_ratio, rows.float())),
+            "loss/seq_ratio_max": item(masked_max(seq_ratio, rows.float())),
+            "loss/seq_ratio_min": item(masked_min(seq_ratio, rows.float()))}
 
 
 LOSS_SPECS: dict[str, LossSpec] = {spec.name: spec for spec in (
@@ -304,8 +523,12 @@ LOSS_SPECS: dict[str, LossSpec] = {spec.name: spec for spec in (
     LossSpec.of("gspo", gspo_loss, ratio_vs_sampler=True),
     LossSpec.of("gspo_token", gspo_token_loss, ratio_vs_sampler=True),
     LossSpec.of("gmpo", gmpo_loss, ratio_vs_sampler=True),
-    LossSpec.of("cispo", cispo_loss, ratio_vs_sampler=True, token_clip=True),
+    LossSpec.of("cispo", cispo_loss, ratio_vs_sampler=True, token_clip=True, metrics=_cispo_metrics),
     LossSpec.of("sapo", sapo_loss, ratio_vs_sampler=True),
+    LossSpec.of("dppo", dppo_loss, ratio_vs_sampler=True, metrics=_dppo_metrics),
+    LossSpec.of("dro", dro_loss, metrics=_dro_metrics),
+    LossSpec.of("vespo", vespo_loss, ratio_vs_sampler=True, metrics=_vespo_metrics),
+    LossSpec.of("luspo", luspo_loss, ratio_vs_sampler=True, metrics=_sequence_clip_metrics),
 )}
 POLICY_LOSSES: dict[str, Callable[..., torch.Tensor]] = {n: spec.fn for n, spec in LOSS_SPECS.items()}
 
@@ -339,17 +562,21 @@ def _ratio_metrics(logprobs, sampler_logprobs, advantages, mask, options) -> dic
 def policy_loss(name: str, *, logprobs: torch.Tensor, sampler_logprobs: torch.Tensor, advantages: torch.Tensor,
                 mask: torch.Tensor, is_weights: torch.Tensor | None = None, agg_mode: str = "token-mean",
                 **options) -> LossOutput:
-    """Policy loss `name` (covariance | reinforce | ppo_clip | gspo | gspo_token | gmpo | cispo | sapo), aggregated with `agg_mode` (see `aggregate`).
+    """Policy loss `name` (covariance | reinforce | ppo_clip | gspo | gspo_token | gmpo | cispo | sapo | dppo | dro |
+    vespo | luspo), aggregated with `agg_mode` (see `aggregate`).
 
     logprobs [B, T] trainer log-probs (carry the gradient); sampler_logprobs [B, T] log-probs of the same tokens
     under the sampler (or the old/proximal policy); advantages [B, T] (detached inside); mask [B, T]; is_weights
     [B, T] detached IS weights from rollout_correction or None. options: per loss (ppo_clip: clip_low=0.2,
     clip_high=0.28, dual_clip=3.0|None; reinforce: is_cap=2.0|None; gspo / gspo_token: clip_low=3e-4,
     clip_high=4e-4; gmpo: clip_low=clip_high=0.4 (log space); cispo: clip_low=None, clip_high=0.28; sapo: tau_pos=1.0,
-    tau_neg=1.05) and `norm_constant` for aggregation.
+    tau_neg=1.05; dppo: divergence="tv", delta_low=delta_high=None (0.2 tv, 0.05 kl), is_cap=None, kl_coef=0.0;
+    dro: beta=0.05; vespo: k_pos=2.0, lambda_pos=3.0, k_neg=3.0, lambda_neg=2.0; luspo: clip_low=2e-3,
+    clip_high=2.5e-3) and `norm_constant` for aggregation.
     Metrics (for every loss): loss/ratio_mean|max|min (vs sampler), loss/approx_kl (k3), loss/approx_kl_k1,
     loss/clip_frac, loss/clip_frac_low, loss/clip_frac_high, loss/dual_clip_frac (what PPO clipping would hit,
-    with its defaults when the loss is not ppo_clip), loss/log_ratio_clamped_frac, loss/value.
+    with its defaults, unless the loss reports what it clips or masks itself: ppo_clip, cispo, dppo, luspo),
+    loss/log_ratio_clamped_frac, loss/value; and the loss's own (`LossSpec.metrics`).
     """
     spec: LossSpec = choose(name, "policy loss", LOSS_SPECS)
     norm_constant = options.pop("norm_constant", None)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
 from pydantic import Field, field_validator, model_validator
 
@@ -25,7 +25,8 @@ class SamplerConfig(Section):
     top_k: int = Field(0, ge=0, description="keep only the k most likely tokens (0 = off)")
     min_p: float = Field(0.0, ge=0.0, le=1.0, description="keep the tokens with probability >= min_p x the most "
                          "likely one's (0 = off)")
-    max_new_tokens: int = Field(24, ge=1, le=65536, description="longest response in tokens")
+    max_new_tokens: Annotated[int, Field(ge=1, le=65536)] | Literal["auto"] = Field(
+        24, description="longest response in tokens; auto: sized by the run's probe before step 1 (sizing)")
     stop_strings: list[str] = Field(default_factory=list, description="a row also ends when its decoded response "
                                     "contains one of these (the tokens up to it are kept; hf sampler)")
     stop_token_ids: list[int] = Field(default_factory=list, description="token ids that end a row besides EOS "
@@ -40,7 +41,8 @@ class SamplerConfig(Section):
         "auto", description="use the trainer's module directly (no copy): auto = when dtypes match and "
         "sync_every == 1; a separate copy is required for staleness (sync_every > 1) or another dtype")
     vllm: VLLMEngineConfig = Field(default_factory=VLLMEngineConfig,
-                                   description="engine options (sampler.backend=vllm only)")
+                                   description="engine options (sampler.backend=vllm, or distill.engine=vllm's "
+                                               "teacher; refused otherwise by the run's config)")
     compile: bool = Field(
         False, description="torch.compile of the hf sampler's decode step over a static KV cache (rows padded "
                            "to a power of two, cache length to a multiple of sampler.compile_bucket; finished rows "
@@ -62,13 +64,6 @@ class SamplerConfig(Section):
         if v == "vllm" and not vllm_available():   # at config load, not after the model has loaded
             raise ValueError(VLLM_EXTRA_HINT)
         return v
-
-    @model_validator(mode="after")
-    def _vllm_options_need_vllm(self):
-        if self.backend != "vllm" and self.vllm != VLLMEngineConfig():   # they would be ignored without a word
-            raise ValueError(f"sampler.vllm is read by sampler.backend=vllm only, and the active backend is "
-                             f"sampler.backend={self.backend!r}: remove sampler.vllm or set sampler.backend=vllm")
-        return self
 
     @model_validator(mode="after")
     def _compile_hf_only(self):

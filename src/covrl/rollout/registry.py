@@ -27,4 +27,7 @@ def build_sampler(cfg, model, tokenizer):
     """The sampler backend `cfg.backend` (see SAMPLER_BACKENDS) around `model` / `tokenizer`."""
     if cfg.backend not in SAMPLER_BACKENDS:  # a config built without validation (model_construct)
         raise ValueError(f"sampler.backend: {unknown_backend(cfg.backend)}")
+    if cfg.max_new_tokens == "auto":   # the run's probe resolves it before a sampler is built
+        raise ValueError("sampler.max_new_tokens=auto is not resolved yet: covrl train sizes it by a probe "
+                         "before step 1 (covrl.train.run.sizing); elsewhere give it a number")
     return SAMPLER_BACKENDS[cfg.backend](cfg, model, tokenizer)

@@ -108,12 +108,25 @@ class RolloutBatch:
         return replace(self, **updates)
 
     def scored(self, rewards: torch.Tensor, *, correct=None, texts=None, task_metrics=None,
-               score_s: float = 0.0) -> ScoredBatch:
-        """This batch with the task's verdict attached (a new object; `self` is unchanged)."""
+               score_s: float = 0.0, reward_terms: Mapping[str, list[float]] | None = None,
+               reward_term_weights: Mapping[str, float] | None = None) -> ScoredBatch:
+        """This batch with the task's verdict attached (a new object; `self` is unchanged). `reward_terms`:
+        name -> each row's unweighted value of that reward term, with `reward_term_weights` (task.score's)."""
         base = {f.name: getattr(self, f.name) for f in fields(RolloutBatch)}
         base["timing"] = replace(self.timing, score_s=self.timing.score_s + float(score_s))
+        terms = None
+        if reward_terms:
+            columns = [list(v) for v in reward_terms.values()]
+            if any(len(c) != len(self) for c in columns):
+                raise ValueError(f"reward_terms need {len(self)} values per term; got {[len(c) for c in columns]}")
+            terms = torch.tensor(columns, dtype=torch.float32).reshape(len(columns), len(self)).T.contiguous()
+        weights = dict(reward_term_weights or {})
+        if reward_terms and list(weights) != list(reward_terms):
+            raise ValueError(f"reward_term_weights names {list(weights)} must be the reward_terms' "
+                             f"{list(reward_terms)}")
         return ScoredBatch(**base, rewards=rewards, correct=None if correct is None else tuple(bool(c) for c in correct),
-                           texts=None if texts is None else tuple(texts), task_metrics=task_metrics or {})
+                           texts=None if texts is None else tuple(texts), task_metrics=task_metrics or {},
+                           reward_terms=terms, reward_term_weights=weights if terms is not None else {})
 
 
 @dataclass(frozen=True)
@@ -124,12 +137,17 @@ class ScoredBatch(RolloutBatch):
     correct       per-row bool verdicts of the task's grader (accuracy, pass@n), or None
     texts         per-row decoded responses, or None
     task_metrics  the task's own batch metrics (e.g. task/errors), already prefixed `task/`
+    reward_terms  [B, K] float32: each row's unweighted value of each reward term (task.rewards, in order, and
+                  the overlong penalty), or None (episodes: the environment's reward has no terms)
+    reward_term_weights  term name -> weight, K entries in the columns' order (empty without reward_terms)
     """
 
     rewards: torch.Tensor | None = None
     correct: tuple[bool, ...] | None = None
     texts: tuple[str, ...] | None = None
     task_metrics: Mapping[str, float] = field(default_factory=dict)
+    reward_terms: torch.Tensor | None = None
+    reward_term_weights: Mapping[str, float] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.rewards is None:
@@ -141,6 +159,18 @@ class ScoredBatch(RolloutBatch):
                 raise ValueError(f"ScoredBatch.{name} has {len(value)} entries for {n} rows")
         if self.rewards.shape[0] != n:
             raise ValueError(f"ScoredBatch.rewards has {self.rewards.shape[0]} rows for {n} rows")
+        if self.reward_terms is not None and (self.reward_terms.dim() != 2 or self.reward_terms.shape[0] != n
+                                              or self.reward_terms.shape[1] != len(self.reward_term_weights)):
+            raise ValueError(f"ScoredBatch.reward_terms must be [B, K] = [{n}, {len(self.reward_term_weights)}] "
+                             f"(one column per reward_term_weights entry); got {list(self.reward_terms.shape)}")
+
+    @property
+    def reward_weights(self) -> torch.Tensor | None:
+        """[K] float32: the weights of the reward_terms' columns (None without reward_terms)."""
+        if self.reward_terms is None:
+            return None
+        return torch.tensor(list(self.reward_term_weights.values()), dtype=torch.float32,
+                            device=self.reward_terms.device)
 
     @property
     def sequence_rewards(self) -> torch.Tensor:
@@ -215,6 +245,11 @@ def concat_batches(batches: list[RolloutBatch], pad_id: int) -> RolloutBatch:
         for k, v in b.task_metrics.items():
             task_metrics[k] = task_metrics.get(k, 0.0) + float(v) * len(b) / rows
     out["task_metrics"] = task_metrics
+    # per-term rewards only where every chunk has the same terms (the same task scored them all)
+    weights = [dict(b.reward_term_weights) for b in batches]
+    same = all(b.reward_terms is not None for b in batches) and all(w == weights[0] for w in weights)
+    out["reward_terms"] = torch.cat([b.reward_terms for b in batches]) if same else None
+    out["reward_term_weights"] = weights[0] if same else {}
     return ScoredBatch(**out)
 
 
@@ -252,7 +287,7 @@ def batch_from_state(state: dict[str, Any]) -> RolloutBatch:
         if state.get(name) is not None:
             state[name] = tuple(state[name])
     if not scored:
-        for name in ("rewards", "correct", "texts", "task_metrics"):
+        for name in ("rewards", "correct", "texts", "task_metrics", "reward_terms", "reward_term_weights"):
             state.pop(name, None)
         return RolloutBatch(**state)
     return ScoredBatch(**state)

@@ -8,7 +8,7 @@
   mode, `covrl --debug` / COVRL_DEBUG=1).
 """
 
-from covrl.settings.base import SECTION_POLICY, Section
+from covrl.settings.base import SECTION_POLICY, Section, config_note, known_name, one_of
 from covrl.settings.debug import DEBUG_ENV, debug_enabled, enable_debug, user_error
 from covrl.settings.io import (
     ConfigError,
@@ -23,7 +23,7 @@ from covrl.settings.io import (
 )
 
 __all__ = [
-    "DEBUG_ENV", "SECTION_POLICY", "ConfigError", "Section", "apply_overrides", "build_section", "config_reference",
-    "debug_enabled", "dump_config", "enable_debug", "format_validation_error", "load_section", "parse_overrides",
-    "read_yaml", "user_error",
+    "DEBUG_ENV", "SECTION_POLICY", "ConfigError", "Section", "apply_overrides", "build_section", "config_note",
+    "config_reference", "debug_enabled", "dump_config", "enable_debug", "format_validation_error", "known_name",
+    "load_section", "one_of", "parse_overrides", "read_yaml", "user_error",
 ]

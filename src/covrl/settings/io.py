@@ -3,7 +3,8 @@ validated pydantic model.
 
 Every error names the field, the file and line (or the override) and, where it applies, the allowed keys or
 values, e.g. ``configs/x.yaml:12: optim.lrr: unknown key; allowed keys: betas, eps, lr, ...``.
-Imports nothing from covrl, so every layer may use it; `covrl.train.config` binds it to `TrainConfig`."""
+Imports nothing from covrl outside covrl.settings, so every layer may use it; `covrl.train.config` binds it to
+`TrainConfig`."""
 
 from __future__ import annotations
 
@@ -17,6 +18,8 @@ from typing import Annotated, Any, Literal, TypeVar, Union, get_args, get_origin
 
 import yaml
 from pydantic import BaseModel, ValidationError
+
+from covrl.settings.base import config_note
 
 __all__ = ["ConfigError", "apply_overrides", "build_section", "config_reference", "dump_config",
            "format_validation_error", "load_section", "parse_overrides", "read_yaml"]
@@ -158,10 +161,15 @@ def _where(loc: tuple, source: str, lines: dict[tuple, int], overrides: dict[tup
     keys = tuple(str(p) for p in loc)
     # a validator of a whole section names the exact key in its message: point at that key if we can
     # (either its full dotted path or its path below the section, e.g. "letters.max_length" or "rs_threshold")
-    named = [k for k in (*overrides, *lines) if len(k) > len(keys) and k[:len(keys)] == keys and (
-        ".".join(k) in msg or re.search(rf"(?<!\w){re.escape('.'.join(k[len(keys):]))}(?!\w)", msg))]
+    # (or a section above the key: "sampler.vllm is read by ..." points at the override sampler.vllm.seed=...)
+    def mentioned(k: tuple) -> int:   # the longest part of k (a dotted path from its root or below loc) in msg
+        parts = [k[i:j] for i in {0, len(keys)} for j in range(max(len(keys), i) + 1, len(k) + 1)]
+        return max((len(p) for p in parts if re.search(rf"(?<![\w.]){re.escape('.'.join(p))}(?![\w])", msg)),
+                   default=0)
+
+    named = [k for k in (*overrides, *lines) if len(k) > len(keys) and k[:len(keys)] == keys and mentioned(k)]
     if named:
-        keys = max(named, key=len)
+        keys = max(named, key=lambda k: (mentioned(k), len(k)))
     for n in range(len(keys), 0, -1):
         if keys[:n] in overrides:
             return f"override {overrides[keys[:n]]!r}"
@@ -216,15 +224,50 @@ def build_section(root: type[M], data: dict, *, source: str = "<config>", lines:
             err, source=source, lines=lines, overrides=overrides, root=root)) from None
 
 
+def _choice_points(cls: type[BaseModel], prefix: tuple = ()):
+    """(section path, sub-section, choosing field, values that read it) of every `Section.choices` under `cls`."""
+    for sub, (choice, readers) in getattr(cls, "choices", {}).items():
+        yield prefix, sub, choice, readers
+    for name, field in cls.model_fields.items():
+        if isinstance(field.annotation, type) and issubclass(field.annotation, BaseModel):
+            yield from _choice_points(field.annotation, prefix + (name,))
+
+
+def _drop_preset_options_of_changed_choices(root: type[BaseModel], data: dict, source: str,
+                                            overrides: list[str] | tuple[str, ...]) -> list[str]:
+    """An override that changes a choice (e.g. `task.name=jsonl` on a preset whose file sets task.arithmetic)
+    makes the file's options of the old choice unread: they are dropped with a note, not refused. Options the
+    overrides set themselves are the user's own and stay (the validator refuses them). Returns the notes."""
+    notes = []
+    parsed = {tuple(path): (value, text) for path, value, text in parse_overrides(list(overrides))}
+    for prefix, sub, choice, readers in _choice_points(root):
+        chosen = parsed.get(prefix + tuple(choice.split(".")))
+        if chosen is None or chosen[0] in readers or any(p[:len(prefix) + 1] == prefix + (sub,) for p in parsed):
+            continue
+        node: Any = data
+        for part in prefix:
+            node = node.get(part) if isinstance(node, dict) else None
+        if isinstance(node, dict) and sub in node:
+            del node[sub]
+            key = ".".join(prefix + (sub,))
+            notes.append(f"{key} from {source} is not read after override {chosen[1]!r}: dropped")
+    return notes
+
+
 def load_section(root: type[M], path: str | Path | None = None, overrides: list[str] | tuple[str, ...] = ()) -> M:
     """Read `path` (YAML; None = all defaults), apply `section.key=value` overrides, validate as `root`."""
+    notes: list[str] = []
     if path is None:
         data, lines, source = {}, {}, "<defaults>"
     else:
         data, lines = read_yaml(path)
         source = str(path)
+        notes = _drop_preset_options_of_changed_choices(root, data, source, overrides)
     data, sources = apply_overrides(data, list(overrides))
-    return build_section(root, data, source=source, lines=lines, overrides=sources)
+    config = build_section(root, data, source=source, lines=lines, overrides=sources)
+    for note in notes:   # after validation: a config that fails says only what is wrong
+        config_note(note)
+    return config
 
 
 def dump_config(cfg: BaseModel) -> str:

@@ -10,9 +10,11 @@ from covrl.tasks.rewards import REWARDS, RewardFunctionError, load_user_reward, 
 from covrl.tasks.task import PromptTooLongError, Task
 
 
-def build_task(cfg: TaskConfig) -> Task:
-    """The task named by `cfg.name` (see `TASKS`), with its train / held-out eval split and reward."""
+def build_task(cfg: TaskConfig, *, response_budget: int | None = None) -> Task:
+    """The task named by `cfg.name` (see `TASKS`), with its train / held-out eval split and reward;
+    `response_budget`: the sampler's max_new_tokens, what task.overlong_reward counts towards by default."""
     task = get_builder(cfg.name)(cfg)
+    task.response_budget = response_budget
     if cfg.env.name is not None:
         task.environment = build_environment(task, cfg.env)
         # an environment's own failures (reset / step raising) follow the user-reward rule

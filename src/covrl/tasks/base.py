@@ -44,12 +44,17 @@ class RewardOutput:
     errors   completions whose reward function raised or timed out (summed over the terms of `task.rewards`)
     metrics  reward/mean, reward/accuracy, reward/errors, reward/timeouts, reward/empty (and with `task.rewards`
              reward/reward/<name>, reward/errors/<name> per term; the trainer logs them as task/...)
+    terms    each term's unweighted value per completion, name -> list (the one reward when `task.rewards` is
+             unset; `overlong_penalty` when the penalty applies): rewards = Σ term_weights[name]·terms[name]
+    term_weights  name -> weight of each term
     """
 
     rewards: list[float]
     correct: list[bool]
     errors: int
     metrics: dict[str, float] = field(default_factory=dict)
+    terms: dict[str, list[float]] = field(default_factory=dict)
+    term_weights: dict[str, float] = field(default_factory=dict)
 
 
 def cycle_epochs(pool: list, n: int, rng) -> list:

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import re
-from typing import Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import Field, field_validator, model_validator
 
-from covrl.settings import Section
+from covrl.settings import Section, config_note, known_name
 from covrl.tasks.registry import TASKS
 
 
@@ -325,9 +325,21 @@ class VerifiersConfig(Section):
 
 
 class TaskConfig(Section):
-    """Which problems to pose and how to score them."""
+    """Which problems to pose and how to score them.
 
-    name: str = Field("arithmetic", description="task registry name: arithmetic, count_letters, "
+    Choices: `name` picks the task, and only that task's sub-section is read (`choices`); the reward is one
+    weighted list `rewards`, of which `reward` (a registry name or a user function) is the one-term shorthand."""
+
+    config_key: ClassVar[str] = "task"
+    choices: ClassVar[dict[str, tuple[str, frozenset[str]]]] = {
+        "arithmetic": ("name", frozenset({"arithmetic"})),
+        "letters": ("name", frozenset({"count_letters", "sort_letters"})),
+        "fib_chain": ("name", frozenset({"fib_chain"})),
+        "reasoning_gym": ("name", frozenset({"reasoning_gym"})),
+        "verifiers": ("name", frozenset({"verifiers"})),
+    }
+
+    name: Annotated[str, known_name(TASKS, "task")] = Field("arithmetic", description="task registry name: arithmetic, count_letters, "
                       "sort_letters, fib_chain (long worked solutions), jsonl (path = a .jsonl file), hf_dataset (path = a local datasets folder), "
                       "reasoning_gym (task.reasoning_gym.dataset), verifiers (task.verifiers.taskset)")
     arithmetic: ArithmeticConfig = Field(default_factory=ArithmeticConfig, description="arithmetic options")
@@ -348,16 +360,17 @@ class TaskConfig(Section):
     prompt_field: str = Field("prompt", min_length=1, description="record field holding the prompt")
     answer_field: str = Field("answer", min_length=1, description="record field holding the reference answer")
     split: str = Field("train", description="split to read from an hf_dataset folder")
-    reward: str = Field("auto", description="reward registry name (last_number, exact_match, format, "
-                        "last_number_format, final_answer, math_verify, reasoning_gym) or auto = the task's natural reward")
-    reward_fn: str | None = Field(None, description="user reward 'module:function' or 'file.py:function'; "
-                                  "overrides `reward`; signature fn(completion: str, example) -> float, or "
-                                  "TRL's fn(completions, **columns) -> list[float]")
-    reward_signature: Signature = Field("auto", description="signature of reward_fn: covrl (per completion), trl "
-                                        "(per batch, TRL's), auto = detected from its parameters")
+    reward: str = Field("auto", min_length=1, description="the reward as one function: a registry name "
+                        "(last_number, exact_match, format, last_number_format, final_answer, math_verify, "
+                        "reasoning_gym), auto = the task's natural reward, or a user function 'module:function' / "
+                        "'file.py:function' with signature fn(completion: str, example) -> float or TRL's "
+                        "fn(completions, **columns) -> list[float]; shorthand of a one-term `rewards` (set one of "
+                        "the two)")
+    reward_signature: Signature = Field("auto", description="signature of a user function in `reward`: covrl (per "
+                                        "completion), trl (per batch, TRL's), auto = detected from its parameters")
     rewards: list[RewardTermConfig] = Field(default_factory=list, description="weighted reward terms "
                                             "[{fn, weight, name, signature}, ...]: reward = sum of weight*fn; "
-                                            "overrides `reward`; each logged as task/reward/<name>; a term "
+                                            "each logged as task/reward/<name>; a term "
                                             "{kind: model, model: {path}} is a reward model, {kind: judge, "
                                             "judge: {base_url | path}} an LLM judge (docs/training.md)")
     grader: str = Field("auto", description="reward registry name whose value >= 1 means correct "
@@ -395,17 +408,29 @@ class TaskConfig(Section):
     reward_error_window: int = Field(64, ge=1, le=1_000_000, description="completions over which "
                                                                         "task.max_reward_error_rate is measured")
 
-    @field_validator("name")
+    @model_validator(mode="before")
     @classmethod
-    def _known_task(cls, v: str) -> str:
-        if v not in TASKS:
-            raise ValueError(f"task.name={v!r}; allowed: {sorted(TASKS)}")
-        return v
+    def _old_reward_fn_key(cls, data: Any) -> Any:
+        """`task.reward_fn: X` (the old key of a user function) reads as `task.reward: X`, with a note."""
+        if not isinstance(data, dict) or "reward_fn" not in data:
+            return data
+        data = dict(data)
+        spec = data.pop("reward_fn")
+        if spec is None:   # a resolved config of an older version: nothing was set
+            return data
+        if data.get("reward", "auto") != "auto":
+            raise ValueError(f"task.reward_fn={spec!r} and task.reward={data['reward']!r}: task.reward_fn is the old "
+                             "name of task.reward (a registry name or 'module:function'); keep one")
+        config_note(f"task.reward_fn is now task.reward (a registry name or a user 'module:function'); read "
+                    f"task.reward_fn={spec!r} as task.reward={spec!r}")
+        data["reward"] = spec
+        return data
 
     @model_validator(mode="after")
     def _one_reward_source(self):
-        if self.rewards and self.reward_fn:
-            raise ValueError("set either task.reward_fn or task.rewards (a list of weighted terms), not both")
+        if self.rewards and self.reward != "auto":
+            raise ValueError(f"task.reward={self.reward!r} and task.rewards (a list of terms) are both set: "
+                             "task.reward is the one-term shorthand; keep one (a term is {fn: NAME, weight: W})")
         names = [t.log_name for t in self.rewards]
         if len(set(names)) != len(names):
             raise ValueError(f"task.rewards: term names must be distinct (set `name`); got {names}")

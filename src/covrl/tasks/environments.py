@@ -6,7 +6,7 @@
            until out.done (or task.env.max_turns)
 
 `reward=None` on the final step means "score the final assistant message with the task's reward and grader"
-(so `task.reward`, `task.reward_fn`, `task.rewards` keep working); a number is the episode's reward.
+(so `task.reward` and `task.rewards` keep working); a number is the episode's reward.
 
 Built in (`ENVIRONMENTS`, chosen with `task.env.name`; a `module:Class` / `file.py:Class` spec loads a user
 class: one with `step` is an Environment, one without is adapted as a TRL `environment_factory` object):

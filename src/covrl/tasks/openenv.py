@@ -387,7 +387,7 @@ class _Pool:
 def _load(spec: str, field: str):
     try:
         return load_user_reward(spec)
-    except Exception as err:  # noqa: BLE001 - name the config field, not task.reward_fn
+    except Exception as err:  # noqa: BLE001 - name the config field, not task.reward
         raise ValueError(f"task.env.openenv.{field}={spec!r}: {err}") from err
 
 

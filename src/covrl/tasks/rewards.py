@@ -153,7 +153,7 @@ class RewardFunctionError(UserCodeError):
     """A reward function failed too often (or once, with task.reward_errors=raise)."""
 
 
-def load_user_reward(spec: str, field: str = "task.reward_fn", kind: str = "function") -> RewardFn:
+def load_user_reward(spec: str, field: str = "task.reward", kind: str = "function") -> RewardFn:
     """The function named by `spec`: "package.module:function" (imported) or "path/to/file.py:function"
     (the file is executed as a module). Only what the user names is loaded; strings are never evaluated.
     A spec that does not resolve is a ConfigError naming `field`, the file or module, and what it does define
@@ -211,10 +211,15 @@ def _user_line(err: BaseException, path: Path) -> str:
     return f"{path}:{frames[-1].lineno}" if frames else str(path)
 
 
+def is_user_reward(spec: str) -> bool:
+    """A reward spec names a user function ('module:function', 'file.py:function'); a bare name the registry."""
+    return ":" in spec
+
+
 def resolve_reward(name: str) -> RewardFn:
     if name not in REWARDS:
         raise ValueError(f"reward {name!r} is not registered; allowed: {sorted(REWARDS)} "
-                         "(or set task.reward_fn to 'module:function' / 'file.py:function')")
+                         "(or a user function 'module:function' / 'file.py:function')")
     return REWARDS[name]
 
 

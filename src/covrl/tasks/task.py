@@ -8,9 +8,9 @@ from covrl.tasks.graders import check_available
 from covrl.tasks.reward_models import TERM_KINDS
 from covrl.tasks.rewards import (
     ISOLATED_REWARDS,
-    REWARDS,
     RewardRunner,
     detect_signature,
+    is_user_reward,
     load_user_reward,
     overlong_penalty,
     resolve_reward,
@@ -70,7 +70,7 @@ class Task:
         self.eval = eval
         trained = {prompt_key(cfg, e) for e in train}
         self.eval_repeats = sum(1 for e in eval if prompt_key(cfg, e) in trained)
-        self.reward_name = cfg.reward_fn or (default_reward if cfg.reward == "auto" else cfg.reward)
+        self.reward_name = default_reward if cfg.reward == "auto" else cfg.reward
         auto_grader = "math_verify" if cfg.reward == "math_verify" else default_grader
         self.grader_name = auto_grader if cfg.grader == "auto" else cfg.grader
         if cfg.rewards:
@@ -80,23 +80,26 @@ class Task:
             self.reward_name = " + ".join(f"{w:g}*{n}" for n, w, _ in self._terms)
         else:
             self._terms = [(self.reward_name, 1.0, self._runner(self.reward_name, self.reward_name,
-                                                                cfg.reward_signature, user=bool(cfg.reward_fn)))]
+                                                                cfg.reward_signature,
+                                                                user=is_user_reward(self.reward_name)))]
         self._reward = self._terms[0][2]
         if "math_verify" in {self.grader_name, *(t.fn for t in cfg.rewards), self.reward_name}:
             check_available()   # a missing extra fails at start-up, naming it
         # a grader that is the (single, built-in) reward reuses its values; one that can hang runs isolated
-        self._grader_is_reward = (not cfg.rewards and not cfg.reward_fn and self.grader_name == self.reward_name)
+        self._grader_is_reward = not cfg.rewards and self.grader_name == self.reward_name
         self._grader = (self._runner(self.grader_name, self.grader_name, "covrl", user=False)
                         if self.grader_name in ISOLATED_REWARDS else resolve_reward(self.grader_name))
         self._cache: dict[tuple[int, str], list[int]] = {}
         self.num_truncated = 0
+        # the response budget the overlong penalty counts towards when task.overlong_reward.max_tokens is unset
+        self.response_budget: int | None = None
         # factory of a fresh Environment per episode (covrl.tasks.environments), set when task.env.name is
         self.environment = None
         self.env_failures = None   # its FailureWatch (covrl.tasks.failures), set with it
 
     def _function_term(self, cfg: TaskConfig, index: int, term: RewardTermConfig) -> RewardRunner:
         # a bare registry name is a built-in, anything else a user function
-        return self._runner(term.fn, term.log_name, term.signature, user=term.fn not in REWARDS)
+        return self._runner(term.fn, term.log_name, term.signature, user=is_user_reward(term.fn))
 
     def _runner(self, spec: str, name: str, signature: str, *, user: bool) -> RewardRunner:
         cfg = self.cfg
@@ -191,9 +194,12 @@ class Task:
         rewards = [0.0] * len(completions)
         errors = timeouts = 0
         per_term: dict[str, float] = {}
+        terms: dict[str, list[float]] = {}   # each term's own values, for estimators that take them (gdpo)
+        term_weights: dict[str, float] = {}
         for name, weight, runner in self._terms:
             values, term_errors, term_timeouts = runner(completions, examples)
             rewards = [r + weight * v for r, v in zip(rewards, values)]
+            terms[name], term_weights[name] = [float(v) for v in values], float(weight)
             errors, timeouts = errors + term_errors, timeouts + term_timeouts
             if self.cfg.rewards:
                 per_term[f"reward/reward/{name}"] = sum(values) / n
@@ -207,14 +213,16 @@ class Task:
             correct = [self._grader(c, e) >= 1.0 for c, e in zip(completions, examples)]
         ocfg = self.cfg.overlong_reward
         if ocfg.buffer > 0 and lengths is not None:
-            if ocfg.max_tokens is None:
-                raise ValueError("task.overlong_reward.max_tokens is unset (a run's config fills it in from "
-                                 "sampler.max_new_tokens)")
+            budget = ocfg.max_tokens if ocfg.max_tokens is not None else self.response_budget
+            if budget is None:
+                raise ValueError("task.overlong_reward.max_tokens is unset and the task was built without the "
+                                 "sampler's budget (build_task(cfg, response_budget=sampler.max_new_tokens))")
             if len(lengths) != len(completions):
                 raise ValueError(f"score: {len(lengths)} lengths for {len(completions)} completions")
-            penalties = [overlong_penalty(int(n_tok), ocfg.max_tokens, ocfg.buffer, ocfg.penalty) for n_tok in lengths]
+            penalties = [overlong_penalty(int(n_tok), budget, ocfg.buffer, ocfg.penalty) for n_tok in lengths]
             rewards = [r + p for r, p in zip(rewards, penalties)]
             per_term["reward/overlong_penalty"] = sum(penalties) / n
+            terms["overlong_penalty"], term_weights["overlong_penalty"] = penalties, 1.0
             per_term["reward/overlong_frac"] = sum(p < 0 for p in penalties) / n
         metrics = {
             "reward/mean": sum(rewards) / n,
@@ -224,4 +232,5 @@ class Task:
             "reward/empty": float(sum(1 for c in completions if not c.strip())),
             **per_term,
         }
-        return RewardOutput(rewards=rewards, correct=correct, errors=errors, metrics=metrics)
+        return RewardOutput(rewards=rewards, correct=correct, errors=errors, metrics=metrics, terms=terms,
+                            term_weights=term_weights)

@@ -261,8 +261,7 @@ class VerifiersEnvironment:
 
 
 def build_verifiers(cfg: TaskConfig) -> Task:
-    ignored = [name for name, set_ in (("task.reward", cfg.reward != "auto"), ("task.reward_fn", cfg.reward_fn),
-                                       ("task.rewards", cfg.rewards)) if set_]
+    ignored = [name for name, set_ in (("task.reward", cfg.reward != "auto"), ("task.rewards", cfg.rewards)) if set_]
     if ignored:
         warnings.warn(f"{', '.join(ignored)}: not used with task.name=verifiers (the environment's rewards score "
                       "each episode)", stacklevel=2)

@@ -17,15 +17,17 @@ from pydantic import BeforeValidator, Field, ValidationError, field_validator, m
 from covrl.math import ADVANTAGE_SPECS, LOSS_SPECS, AdvantageSpec, CorrectionConfig, LossSpec, reject_bool
 from covrl.models import ModelConfig
 from covrl.rollout import SamplerConfig
-from covrl.settings import ConfigError, Section, build_section, load_section
+from covrl.settings import ConfigError, Section, build_section, known_name, load_section
 from covrl.tasks import TaskConfig
 from covrl.train.asyncrl.config import AsyncLoopConfig
 from covrl.train.parallel.wrappers import TrainerConfig
 from covrl.train.run.alarm import SyncAlarmConfig
 from covrl.train.run.selection import SelectionConfig
+from covrl.train.run.sizing import AUTO, SizingConfig, check_sizable
 from covrl.train.run.threads import check_num_threads
 from covrl.train.step.batch_scaling import BatchScalingConfig
 from covrl.train.step.lr_surge import LengthSurgeConfig
+from covrl.train.step.self_teacher import SelfTeacherConfig
 
 __all__ = ["AlgorithmConfig", "CheckpointConfig", "ConfigError", "EvalConfig", "KLConfig", "LoggingConfig",
            "LoopConfig", "OptimConfig", "RunConfig", "SFTWarmupConfig", "TrainConfig", "TrainerConfig", "build_config",
@@ -78,13 +80,14 @@ class RunConfig(Section):
 
 
 class AlgorithmConfig(Section):
-    advantage: str = Field("otb", description="advantage estimator (covrl.math registry): grpo, dr_grpo, rloo, "
-                                              "reinforce, otb, otb_tir")
+    advantage: Annotated[str, known_name(ADVANTAGE_SPECS, "advantage estimator")] = Field("otb", description="advantage estimator (covrl.math registry): grpo, dr_grpo, rloo, "
+                                              "reinforce, maxrl, gdpo (per reward term of task.rewards), otb, "
+                                              "otb_tir")
     advantage_options: dict[str, Any] = Field(default_factory=dict,
                                               description="extra keyword options of the estimator, e.g. "
                                                           "handle_zero_tail")
-    loss: str = Field("covariance", description="policy loss (covrl.math registry): covariance, reinforce, "
-                      "ppo_clip, gspo, gspo_token, gmpo, cispo, sapo")
+    loss: Annotated[str, known_name(LOSS_SPECS, "policy loss")] = Field("covariance", description="policy loss (covrl.math registry): covariance, reinforce, "
+                      "ppo_clip, gspo, gspo_token, gmpo, cispo, sapo, dppo, dro, vespo, luspo")
     loss_options: dict[str, Any] = Field(default_factory=dict,
                                          description="extra keyword options of the loss, e.g. clip_low, clip_high, "
                                                      "dual_clip for ppo_clip")
@@ -97,20 +100,6 @@ class AlgorithmConfig(Section):
                                                      "sum(l*m)/(B*N); None: the step's padded response width")
     is_weights_in_advantage: bool = Field(True, description="pass rollout-correction IS weights to estimators "
                                                             "that accept them (OTB: w_t <- w_t * rho_t^2)")
-
-    @field_validator("advantage")
-    @classmethod
-    def _known_advantage(cls, v: str) -> str:
-        if v not in ADVANTAGE_SPECS:
-            raise ValueError(f"unknown advantage estimator {v!r}; allowed: {', '.join(sorted(ADVANTAGE_SPECS))}")
-        return v
-
-    @field_validator("loss")
-    @classmethod
-    def _known_loss(cls, v: str) -> str:
-        if v not in LOSS_SPECS:
-            raise ValueError(f"unknown policy loss {v!r}; allowed: {', '.join(sorted(LOSS_SPECS))}")
-        return v
 
     @model_validator(mode="after")
     def _known_options(self) -> AlgorithmConfig:
@@ -159,11 +148,16 @@ class KLConfig(Section):
 
 class DistillConfig(Section):
     """On-policy distillation: the student samples, a frozen teacher scores the drawn tokens, and the per-token
-    reverse KL is the learning signal: A_t = coef·(log p_teacher(y_t) − log π(y_t)) + reward_weight·A_task_t."""
+    reverse KL is the learning signal: A_t = coef·(log p_teacher(y_t) − log π(y_t)) + reward_weight·A_task_t.
+    `teacher: self` (SDFT / OPSD): the teacher is the model itself given the reference answer in its prompt."""
 
-    teacher: ModelConfig | None = Field(None, description="the frozen teacher (a model section: source, path, "
-                                                          "dtype); None = no distillation. Its tokenizer must be "
-                                                          "the student's")
+    teacher: ModelConfig | Literal["self"] | None = Field(
+        None, description="the frozen teacher (a model section: source, path, dtype; its tokenizer must be the "
+                          "student's), or self: the model itself, scoring the drawn tokens given a privileged "
+                          "prompt with the example's reference answer (distill.self_teacher); None = no "
+                          "distillation")
+    self_teacher: SelfTeacherConfig = Field(default_factory=SelfTeacherConfig,
+                                            description="the privileged prompt and weights of distill.teacher=self")
     coef: float = Field(1.0, gt=0, description="weight of the per-token reverse-KL signal")
     reward_weight: float = Field(0.0, ge=0, description="weight of the task's advantages mixed in (0: pure "
                                                         "distillation; the rewards are still scored and logged)")
@@ -172,14 +166,28 @@ class DistillConfig(Section):
                                "device, every rank) or vllm (its own vLLM engine with sampler.vllm's options, "
                                "prompt log-probs at temperature 1 over the whole vocabulary; one trainer process)")
 
+    @model_validator(mode="after")
+    def _self_teacher_options(self):
+        if self.teacher == "self" and self.engine != "trainer":
+            raise ValueError(f"distill.engine={self.engine} serves a separate teacher; distill.teacher=self scores "
+                             "with the trainer's own model: use distill.engine=trainer")
+        if self.teacher != "self" and self.self_teacher != SelfTeacherConfig():
+            raise ValueError(f"distill.self_teacher is read by distill.teacher=self only; the active choice is "
+                             f"distill.teacher={'None' if self.teacher is None else 'a model'}: remove "
+                             "distill.self_teacher or set distill.teacher=self")
+        return self
+
 
 class LoopConfig(Section):
     mode: Literal["sync", "async", "ray"] = Field(
         "sync", description="orchestration: sync (generate, then train), async (sampler thread beside the "
                             "trainer, see async_loop), ray (sampler actors; docs/async.md)")
     steps: int = Field(40, ge=1, description="optimizer steps of the run; total rollouts = steps * rollouts/step")
-    prompts_per_step: int = Field(8, ge=1, description="distinct prompts per step")
-    group_size: int = Field(8, ge=1, description="completions per prompt (a group for the advantage baseline)")
+    prompts_per_step: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        8, description="distinct prompts per step; auto: max(1, sizing.rollouts_per_step // group_size)")
+    group_size: Annotated[int, Field(ge=1)] | Literal["auto"] = Field(
+        8, description="completions per prompt (a group for the advantage baseline); auto: sized by the probe "
+                       "before step 1 (sizing)")
     dynamic_sampling: bool = Field(False, description="DAPO dynamic sampling: drop groups whose rewards are all "
                                    "equal and generate more until prompts_per_step groups are kept (sync: "
                                    "covrl.train.run.sources.DynamicSamplingSource; async / ray: filtered chunks "
@@ -192,6 +200,10 @@ class LoopConfig(Section):
 
     @property
     def rollouts_per_step(self) -> int:
+        for name in ("prompts_per_step", "group_size"):   # auto is resolved by the run's probe (sizing)
+            if getattr(self, name) == AUTO:
+                raise ValueError(f"loop.{name}=auto is not resolved yet: the run's probe sets it "
+                                 "(covrl.train.run.sizing.size_run)")
         return self.prompts_per_step * self.group_size
 
 
@@ -263,7 +275,10 @@ class LoggingConfig(Section):
 
 class TrainConfig(Section):
     """A whole training run. Sections: run, model, task, sampler, algorithm, correction, kl, optim, lr_surge,
-    loop, eval, checkpoint, sft_warmup, logging, async_loop, batch_scaling, trainer, sync_alarm, distill, selection."""
+    loop, eval, checkpoint, sft_warmup, logging, async_loop, batch_scaling, trainer, sync_alarm, distill, selection,
+    sizing. Validators check, they never fill values in: what depends on another section is resolved where it is
+    read (`noise_scale_on`; the overlong penalty's budget by `build_task(..., response_budget=)`; the `auto` sizes
+    by the run's probe, covrl.train.run.sizing, whose resolved config is validated again)."""
 
     run: RunConfig = Field(default_factory=RunConfig, description="name, seed, device, output folder")
     model: ModelConfig = Field(default_factory=ModelConfig, description="which model to train")
@@ -293,9 +308,12 @@ class TrainConfig(Section):
                                    description="data-parallel / sharded trainer on torch.distributed")
     sync_alarm: SyncAlarmConfig = Field(default_factory=SyncAlarmConfig,
                                         description="alarm when the sampler's weights stop matching the trainer's")
+    sizing: SizingConfig = Field(default_factory=SizingConfig,
+                                 description="how the fields set to auto are sized from a probe of the sampler")
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
+        check_sizable(self)   # auto fields: before the checks below, which skip them
         if self.selection.strategy != "uniform" and (self.loop.mode != "sync" or self.loop.dynamic_sampling):
             raise ValueError(f"selection.strategy={self.selection.strategy!r} runs in the sync loop without "
                              "loop.dynamic_sampling (the async pools and dynamic sampling draw the stream "
@@ -307,15 +325,21 @@ class TrainConfig(Section):
         if self.algorithm.score_centering and int(getattr(self.sampler, "return_topk", 0) or 0) <= 0:
             raise ValueError("algorithm.score_centering=true needs sampler.return_topk > 0 "
                              "(the sampler's top-k log-probs)")
+        if "reward_terms" in ADVANTAGE_SPECS[self.algorithm.advantage].inputs:   # gdpo: each term of each rollout
+            why = ("multi-turn episodes take their reward from the environment" if self.task.env.name
+                   or self.task.name == "verifiers" else "kl.mode=reward subtracts the KL penalty from the summed "
+                   "reward, past the terms (use kl.mode=loss)" if self.kl.coef > 0 and self.kl.mode == "reward"
+                   else None)
+            if why:
+                raise ValueError(f"algorithm.advantage={self.algorithm.advantage} normalises each reward term of "
+                                 f"every rollout, and this run has no per-term rewards: {why}")
         if self.loop.mode != "sync":
             self.async_loop.check_against(prompts_per_step=self.loop.prompts_per_step,
                                           group_size=self.loop.group_size, sync_every=self.sampler.sync_every)
         if self.trainer.parallel != "none" and self.loop.mode == "ray" and not self.async_loop.trainer_actor:
             raise ValueError("loop.mode=ray with trainer.parallel runs the trainer ranks as Ray actors "
                              "(trainer.world_size of them): async_loop.trainer_actor=false is for one trainer")
-        if self.logging.noise_scale is None:   # on wherever the per-rank gradients can be read
-            self.logging.noise_scale = self.trainer.parallel != "fsdp2"
-        elif self.logging.noise_scale and self.trainer.parallel == "fsdp2":
+        if self.logging.noise_scale and self.trainer.parallel == "fsdp2":
             raise ValueError("logging.noise_scale=true cannot be measured under trainer.parallel=fsdp2: the split "
                              "needs each rank's own gradient, which FSDP2 reduce-scatters without exposing it; "
                              "set logging.noise_scale=false (or use trainer.parallel=ddp; docs/distributed.md)")
@@ -330,12 +354,20 @@ class TrainConfig(Section):
             raise ValueError("loop.dynamic_sampling=true runs with trainer.parallel=none only (ranks would keep "
                              "different numbers of groups)")
         overlong = self.task.overlong_reward
-        if overlong.buffer > 0:
-            if overlong.max_tokens is None:   # the sampler's budget is what the penalty counts towards
-                overlong.max_tokens = self.sampler.max_new_tokens
-            if overlong.buffer > overlong.max_tokens:
-                raise ValueError(f"task.overlong_reward.buffer={overlong.buffer} exceeds the response budget "
-                                 f"max_tokens={overlong.max_tokens}")
+        # unset, the penalty counts towards the sampler's budget (the run builds the task with it)
+        budget = overlong.max_tokens if overlong.max_tokens is not None else self.sampler.max_new_tokens
+        if budget != AUTO and overlong.buffer > budget:   # auto: the probe's budget floor is buffer + 1
+            raise ValueError(f"task.overlong_reward.buffer={overlong.buffer} exceeds the response budget "
+                             f"max_tokens={budget}")
+        if (self.sampler.backend != "vllm" and self.distill.engine != "vllm"
+                and self.sampler.vllm != type(self.sampler.vllm)()):   # they would be ignored without a word
+            raise ValueError(f"sampler.vllm is read by sampler.backend=vllm (or distill.engine=vllm) only, and the "
+                             f"active backend is sampler.backend={self.sampler.backend!r}: remove sampler.vllm or set "
+                             "sampler.backend=vllm")
+        if self.async_loop.max_staleness_rollouts is not None and self.async_loop.max_staleness_steps != 1:
+            raise ValueError(f"async_loop.max_staleness_rollouts={self.async_loop.max_staleness_rollouts} and "
+                             f"async_loop.max_staleness_steps={self.async_loop.max_staleness_steps} both bound the "
+                             "queue: set one (rollouts, or steps x rollouts per step)")
         if self.batch_scaling.scale_lr and self.batch_scaling.base_batch_rollouts is None:
             raise ValueError("batch_scaling.scale_lr=true needs batch_scaling.base_batch_rollouts (the rollouts "
                              "per step at which optim.lr was tuned)")
@@ -351,6 +383,13 @@ class TrainConfig(Section):
     @property
     def total_rollouts(self) -> int:
         return self.loop.steps * self.loop.rollouts_per_step
+
+    @property
+    def noise_scale_on(self) -> bool:
+        """logging.noise_scale resolved: None is on wherever the per-rank gradients can be read (not fsdp2)."""
+        if self.logging.noise_scale is not None:
+            return self.logging.noise_scale
+        return self.trainer.parallel != "fsdp2"
 
 
 def build_config(data: dict, *, source: str = "<config>", lines: dict[tuple, int] | None = None,

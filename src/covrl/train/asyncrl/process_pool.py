@@ -62,7 +62,7 @@ class SamplerWorker:
         if cfg.run.device != "cpu" and torch.cuda.is_available():
             model.to("cuda")
         self.tokenizer = tokenizer
-        self.task = build_task(cfg.task)
+        self.task = build_task(cfg.task, response_budget=cfg.sampler.max_new_tokens)
         self.sampler = build_sampler(own_weights(cfg.sampler), model, tokenizer)
         self.sampler.version = -1
         self._reference = None

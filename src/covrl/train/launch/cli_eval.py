@@ -86,7 +86,7 @@ def run(args: argparse.Namespace) -> int:
         if not plain_hf:
             load_model_weights(model, weights)
         model.to(resolve_device(cfg.run.device))
-        task = build_task(cfg.task)
+        task = build_task(cfg.task, response_budget=cfg.sampler.max_new_tokens)
         sampler = build_sampler(cfg.sampler, model, tokenizer)
         examples = task.eval[: cfg.eval.max_prompts] if cfg.eval.max_prompts else task.eval
         result = evaluate(sampler, task, tokenizer, examples, seed=cfg.run.seed + 17, greedy=True,

@@ -17,7 +17,7 @@ import sys
 import threading
 import warnings
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 import torch
 import torch.distributed as dist
@@ -26,7 +26,7 @@ from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_
 
 from covrl.models.compiled import CompileBackend
 from covrl.models.precision import AUTOCAST_MODES
-from covrl.settings import Section
+from covrl.settings import Section, known_name
 from covrl.train.parallel import shards
 
 __all__ = ["DCP_DIR", "DCP_KEY", "Channel", "Parallel", "TrainerConfig", "carry_optimizer_state", "free_port", "full_model_state",
@@ -46,7 +46,7 @@ class TrainerConfig(Section):
                                 "1); under torchrun its --nproc-per-node x --nnodes (None: take it; a number must "
                                 "match)")
 
-    autocast: str = Field(
+    autocast: Annotated[str, known_name(AUTOCAST_MODES, "autocast mode")] = Field(
         "none", description="mixed precision of the trainer's forward+backward (covrl.models.precision): none "
                             "(the model's dtype), bf16 (torch.autocast to bfloat16 with fp32 master weights and "
                             "AdamW; log-probs, entropy and Σπ² in fp32 from the upcast logits), bf16_fp32_head "
@@ -79,13 +79,6 @@ class TrainerConfig(Section):
     @classmethod
     def _none_is_a_name(cls, v):
         return "none" if v is None else v   # YAML reads `parallel: none` as null
-
-    @field_validator("autocast")
-    @classmethod
-    def _known_autocast(cls, v: str) -> str:
-        if v not in AUTOCAST_MODES:
-            raise ValueError(f"unknown autocast mode {v!r}; allowed: {', '.join(sorted(AUTOCAST_MODES))}")
-        return v
 
     @model_validator(mode="after")
     def _compile_alone(self):

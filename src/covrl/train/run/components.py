@@ -25,6 +25,7 @@ from covrl.rollout.vllm import build_vllm_sampler
 from covrl.tasks import build_task
 from covrl.train.run.stream import DataStream
 from covrl.train.run.threads import ThreadChoice, apply_num_threads
+from covrl.train.step.self_teacher import SelfTeacher
 from covrl.train.step.sft import sft_warmup
 
 if TYPE_CHECKING:   # the run's config composes this room's sections: imported for types only
@@ -76,7 +77,7 @@ def build_components(cfg: TrainConfig) -> Components:
     threads = apply_num_threads(cfg)
     seed_everything(cfg.run.seed)
     device = resolve_device(cfg.run.device)
-    task = build_task(cfg.task)
+    task = build_task(cfg.task, response_budget=cfg.sampler.max_new_tokens)
     stream = DataStream(task.train, seed=cfg.run.seed)
     t0 = time.perf_counter()
     model, tokenizer = load_model(cfg.model, seed=cfg.run.seed)
@@ -93,11 +94,14 @@ def rebuild_initial_model(cfg: TrainConfig):
     return c.model, c.tokenizer
 
 
-def build_teacher(cfg: TrainConfig, tokenizer, device):
+def build_teacher(cfg: TrainConfig, tokenizer, device, task=None, stream: DataStream | None = None):
     """The frozen distillation teacher of `distill.teacher` (None without), on `device`. A teacher must use the
-    student's tokenizer: the signal compares log-probs of the same token ids."""
+    student's tokenizer: the signal compares log-probs of the same token ids. `distill.teacher: self`: the
+    privileged prompts of the run's `task`, each row's example found at its position of `stream`."""
     if cfg.distill.teacher is None:
         return None
+    if cfg.distill.teacher == "self":
+        return _self_teacher(cfg, tokenizer, task, stream)
     teacher, teacher_tok = load_model(cfg.distill.teacher, seed=cfg.run.seed)
     if teacher_tok.get_vocab() != tokenizer.get_vocab():
         raise ValueError(f"distill.teacher ({cfg.distill.teacher.source} {cfg.distill.teacher.path or ''}) has "
@@ -106,6 +110,25 @@ def build_teacher(cfg: TrainConfig, tokenizer, device):
     if cfg.distill.engine == "vllm":
         return _vllm_teacher(cfg, teacher, teacher_tok)
     return frozen_copy(teacher.to(device))
+
+
+def _self_teacher(cfg: TrainConfig, tokenizer, task, stream: DataStream | None) -> SelfTeacher:
+    if task is None or stream is None:
+        raise ValueError("distill.teacher=self: build_teacher needs the run's task and prompt stream")
+    # a copy of the stream's order of its own: the lookups run on the trainer's thread, beside a sampler thread
+    # that advances the stream (whose one-epoch cache is not thread-safe); made at the first lookup, after a
+    # resume restored the stream's seed
+    copies: dict[int, DataStream] = {}
+
+    def example_at(position: int):
+        order = copies.get(stream.seed)
+        if order is None:
+            order = copies.setdefault(stream.seed, DataStream(stream.items, seed=stream.seed, shuffle=stream.shuffle))
+        return order.items[order.index_at(position)]
+
+    teacher = SelfTeacher(cfg.distill.self_teacher, task, tokenizer, example_at)
+    teacher.check_answers(task.train, cfg.task.name, cfg.task.answer_field)
+    return teacher
 
 
 def _vllm_teacher(cfg: TrainConfig, teacher, tokenizer):

@@ -51,8 +51,10 @@ from covrl.train.run.sinks import (
     read_jsonl,
     truncate_jsonl,
 )
+from covrl.train.run.sizing import attach_adapter, size_run
 from covrl.train.run.stream import DataStream
 from covrl.train.run.threads import ThreadChoice
+from covrl.train.step.self_teacher import needs_initial_weights
 from covrl.train.step.trainer import Trainer
 
 if TYPE_CHECKING:   # the run's config composes this room's sections: imported for types only
@@ -142,6 +144,8 @@ class Run:
     sync_alarm: SyncAlarm | None = None   # the weight-sync alarm (covrl.train.run.alarm)
     warned_cut: bool = False   # the warning that most responses hit sampler.max_new_tokens was printed
     selector: PromptSelector | None = None   # which prompts of the stream a step trains on (selection)
+    sizing: dict[str, Any] | None = None   # what the probe chose for the auto fields (sizing.json; None: no auto)
+    length_adapter: Any = None   # sizing.adapt: grows an auto max_new_tokens while answers keep being cut
 
     # ------------------------------------------------------------------------------- checkpointer
     def register(self, name: str, part: Any) -> None:
@@ -287,6 +291,9 @@ class Run:
             "trainer": {"parallel": self.cfg.trainer.parallel,
                         "world_size": dist.get_world_size() if dist.is_initialized() else 1},
             "initial_weights": self.initial_weights,
+            # the auto fields as the probe sized them (sizing.json), its seconds, and each adapted budget
+            "sizing": None if self.sizing is None else {**self.sizing, "max_new_tokens_changes": (
+                self.length_adapter.changes if self.length_adapter is not None else [])},
             # the held-out split in numbers, with the held-out prompts that also occur in training
             "task": self.task.split_info() if hasattr(self.task, "split_info") else None,
             # what the run leaves on disk: its newest checkpoint and the whole folder (checkpoint.keep_last, .final)
@@ -430,21 +437,23 @@ def _claim_run_folder(cfg: TrainConfig, run_dir: Path, latest: Path | None, resu
 
 def _starting_weights(c: Components, run_dir: Path, weights: dict | None, console: bool
                       ) -> tuple[dict[str, float], Any]:
-    """The weights RL starts from and the frozen KL reference (or None): a fresh run runs the SFT warm-up and
-    saves checkpoints/initial/ when needed; a resumed run loads the checkpoint's weights and the reference from
-    checkpoints/initial/. Returns (SFT metrics, reference model)."""
+    """The weights RL starts from and the frozen copy of them for a KL reference or an initial-weights
+    self-teacher (or None): a fresh run runs the SFT warm-up and saves checkpoints/initial/ when needed; a resumed
+    run loads the checkpoint's weights and the reference from checkpoints/initial/. Returns (SFT metrics,
+    reference model)."""
     cfg, model, tokenizer = c.cfg, c.model, c.tokenizer
     initial_dir = run_dir / "checkpoints" / "initial"
     if weights is None:
         sft_metrics = c.warm_up(log=print if console and cfg.logging.console else None)
-        if cfg.run.save_initial or cfg.kl.coef > 0:
+        if cfg.run.save_initial or needs_initial_weights(cfg):
             ckpt.save_checkpoint(run_dir, "initial", model=model, tokenizer=tokenizer, state={}, with_state=False)
-        return sft_metrics, (frozen_copy(model) if cfg.kl.coef > 0 else None)
+        return sft_metrics, (frozen_copy(model) if needs_initial_weights(cfg) else None)
     ckpt.apply_model_weights(model, weights)
-    if cfg.kl.coef <= 0:
+    if not needs_initial_weights(cfg):
         return {}, None
     if not (initial_dir / ckpt.MODEL_DIR).is_dir():
-        raise FileNotFoundError(f"{initial_dir}: the KL reference weights are missing; cannot resume")
+        raise FileNotFoundError(f"{initial_dir}: the initial weights (KL reference / self-teacher) are missing; "
+                                "cannot resume")
     ref_model, _ = load_model(cfg.model, seed=cfg.run.seed)
     ckpt.load_model_weights(ref_model, initial_dir / ckpt.MODEL_DIR)
     return {}, frozen_copy(ref_model.to(c.device))
@@ -479,12 +488,15 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     initial = recorded_initial_weights(run_dir) if latest is not None else None
     _claim_run_folder(cfg, run_dir, latest, resume)
     sft_metrics, ref_model = _starting_weights(c, run_dir, weights, console)
+    # auto sizes: a probe of the weights RL starts from (fresh), or the run folder's numbers (resumed)
+    cfg, sizing, probe_s = size_run(cfg, c, run_dir, resumed=latest is not None,
+                                    build_sampler_fn=build_sampler_fn or build_sampler, console=console)
     if weights is None:   # fresh: RL starts here
         initial = {"fingerprint": ckpt.weights_fingerprint(model),
                    "saved": (run_dir / "checkpoints" / "initial" / ckpt.MODEL_DIR).is_dir()}
     del weights
 
-    trainer = Trainer(model, cfg, ref_model=ref_model, teacher=build_teacher(cfg, tokenizer, c.device))
+    trainer = Trainer(model, cfg, ref_model=ref_model, teacher=build_teacher(cfg, tokenizer, c.device, task, stream))
     sampler = (build_sampler_fn or build_sampler)(cfg.sampler, model, tokenizer)
     run = Run(cfg=cfg, run_dir=run_dir, model=model, tokenizer=tokenizer, task=task, sampler=sampler,
               trainer=trainer, stream=stream, generator=generator, ref_model=ref_model, sft_metrics=sft_metrics,
@@ -510,6 +522,11 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
     run.sync_alarm = SyncAlarm(cfg.sync_alarm, describe_engine=f"sampler.backend={cfg.sampler.backend}, "
                                                                f"dtype {cfg.sampler.dtype or cfg.model.dtype}")
     run.register("sync_alarm", run.sync_alarm)
+    if sizing is not None:
+        run.sizing = {"config": sizing["config"], "auto": sizing["auto"], "time/probe_s": sizing["time/probe_s"],
+                      "warnings": sizing["warnings"], "file": "sizing.json"}
+        run.add_time("probe", probe_s)
+        run.length_adapter = attach_adapter(run, sizing)
     if latest is not None:
         run.last_ckpt_rollouts = trainer.rollouts
         truncate_jsonl(run_dir / "metrics.jsonl", run.metrics_lines)

@@ -119,7 +119,8 @@ def score_rollouts(task, tokenizer, batch: RolloutBatch, examples: list, n: int 
         batch = replace(batch, prompt_index=torch.tensor(positions, dtype=torch.long).repeat_interleave(
             torch.tensor(sizes)))
     return batch.scored(torch.tensor(scored.rewards, dtype=torch.float32), correct=scored.correct, texts=texts,
-                        task_metrics=task_metrics, score_s=time.perf_counter() - t0)
+                        task_metrics=task_metrics, score_s=time.perf_counter() - t0, reward_terms=scored.terms,
+                        reward_term_weights=scored.term_weights)
 
 
 def generate_batch(sampler, task, tokenizer, task_cfg, examples: list, n: int | list[int], *,

@@ -51,6 +51,9 @@ class Algorithm:
     is_weights_in_advantage: bool
     score_centering: bool
     score_centering_truncation: float | None
+    # the reward terms the run's task scores (task.rewards, or one; + the overlong penalty): an estimator that
+    # takes per-term rewards (gdpo) must get them from every batch when there are several
+    reward_term_count: int = 1
 
     # ---------------------------------------------------------------------------------------- properties
     @property
@@ -70,8 +73,9 @@ class Algorithm:
 
     @property
     def needs_batch_statistics(self) -> bool:
-        """Whether the correction needs the whole batch at once (batch-normalised IS weights)."""
-        return self.correction.is_batch_normalize
+        """Whether the correction or the estimator needs the whole batch at once (batch-normalised IS weights,
+        GDPO's batch normalisation)."""
+        return self.correction.is_batch_normalize or self.estimator.spans_batch(self.advantage_options)
 
     @property
     def token_local_weights(self) -> bool:
@@ -103,12 +107,26 @@ class Algorithm:
 
     def advantages(self, *, rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
                    logprobs: torch.Tensor, sum_pi_sq: torch.Tensor, is_weights: torch.Tensor | None,
+                   reward_terms: torch.Tensor | None = None, reward_weights: torch.Tensor | None = None,
                    with_metrics: bool = True) -> AdvantageOutput:
-        """The estimator on trainer log-probs / Σπ² and the correction's IS weights (passed on only with
-        is_weights_in_advantage)."""
+        """The estimator on trainer log-probs / Σπ², the correction's IS weights (passed on only with
+        is_weights_in_advantage) and the batch's per-term rewards (ScoredBatch.reward_terms / reward_weights)."""
+        if ("reward_terms" in self.estimator.inputs and reward_terms is None and self.reward_term_count > 1):
+            raise ValueError(f"algorithm.advantage={self.estimator.name} normalises each of the task's "
+                             f"{self.reward_term_count} reward terms, and this batch carries no per-term rewards "
+                             "(ScoredBatch.reward_terms: score it with the task, e.g. covrl.train.run.sources."
+                             "score_rollouts)")
         return self.estimator.compute(rewards=rewards, mask=mask, group_ids=group_ids, logprobs=logprobs,
                                       sum_pi_sq=sum_pi_sq, is_weights=self._advantage_weights(is_weights),
+                                      reward_terms=reward_terms, reward_weights=reward_weights,
                                       options=self.advantage_options, with_metrics=with_metrics)
+
+    @staticmethod
+    def term_inputs(batch) -> dict[str, torch.Tensor | None]:
+        """A scored batch's per-term rewards as `advantages` inputs (reward_terms [B, K], reward_weights [K];
+        None for a batch without them)."""
+        return {"reward_terms": getattr(batch, "reward_terms", None),
+                "reward_weights": getattr(batch, "reward_weights", None)}
 
     def advantage_metrics(self, *, rewards: torch.Tensor, mask: torch.Tensor, group_ids: torch.Tensor,
                           advantages: torch.Tensor, logprobs: torch.Tensor, sum_pi_sq: torch.Tensor,
@@ -147,4 +165,5 @@ def bind_algorithm(cfg: TrainConfig) -> Algorithm:
                      loss_options=MappingProxyType(loss.validate_options(a.loss_options)),
                      agg_mode=a.agg_mode, norm_constant=a.norm_constant,
                      is_weights_in_advantage=a.is_weights_in_advantage,
-                     score_centering=a.score_centering, score_centering_truncation=a.score_centering_truncation)
+                     score_centering=a.score_centering, score_centering_truncation=a.score_centering_truncation,
+                     reward_term_count=max(len(cfg.task.rewards), 1) + int(cfg.task.overlong_reward.buffer > 0))

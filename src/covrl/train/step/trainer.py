@@ -4,7 +4,8 @@ per Trainer (`covrl.train.step.algorithm.bind_algorithm`).
 `Trainer.step` runs named stages in order, each a method a reader can take one at a time (docs/theory.md §5–§8):
 
   1. reference  (KL to a reference) its log-probs, no grad; in `reward` mode R_b ← R_b − coef·Σ_t KL_t; the
-                distillation teacher's log-probs.
+                distillation teacher's log-probs (distill.teacher=self: the model's own, on each row's privileged
+                prompt; covrl.train.step.self_teacher).
   2. plan       micro-batches of whole groups (covrl.train.step.micro), and whether a pre-pass is needed (a
                 group larger than `optim.micro_batch_size`, or `correction.is_batch_normalize`).
   3. prepass    (when needed) a no-grad forward over the whole batch: log-probs and Σπ².
@@ -96,6 +97,7 @@ from covrl.train.step.micro_step import (
 from covrl.train.step.optimizer import build_adamw
 from covrl.train.step.results import StepResult
 from covrl.train.step.schedule import lr_factor
+from covrl.train.step.self_teacher import SelfTeacher, needs_initial_weights
 
 if TYPE_CHECKING:   # the run's config composes this room's sections: imported for types only
     from covrl.train.config import TrainConfig
@@ -160,6 +162,8 @@ class Trainer:
         self.teacher = teacher   # on-policy distillation (distill.teacher): frozen, scores the drawn tokens
         if cfg.distill.teacher is not None and teacher is None:
             raise ValueError("distill.teacher is set: pass the loaded teacher (Trainer(..., teacher=...))")
+        if isinstance(teacher, SelfTeacher):
+            _check_self_teacher(cfg, ref_model)
         if cfg.kl.coef > 0 and ref_model is None:
             raise ValueError("kl.coef > 0 needs a reference model (Trainer(model, cfg, ref_model=frozen_copy(model)))")
         self.params = [p for p in model.parameters() if p.requires_grad]
@@ -167,7 +171,7 @@ class Trainer:
             raise ValueError("the model has no trainable parameters (requires_grad=False everywhere)")
         self.optimizer = self._build_optimizer()
         self.surge = LengthSurgeSchedule(cfg.lr_surge, rollouts_per_step=cfg.loop.rollouts_per_step)
-        self.noise = GradientNoiseMonitor() if cfg.logging.noise_scale else None
+        self.noise = GradientNoiseMonitor() if cfg.noise_scale_on else None
         if self.noise is not None and cfg.trainer.parallel == "fsdp2":   # a config changed after validation
             raise ValueError("logging.noise_scale=true is refused under trainer.parallel=fsdp2 (TrainConfig)")
         self.parallel: Parallel | None = None   # wrapped at the first step (a collective: all ranks step)
@@ -236,7 +240,9 @@ class Trainer:
             return self._skip(metrics, "empty generations: the batch holds no response tokens", t_start)
         own = None if self.parallel is None else shard_rows(batch.group_ids, self.parallel.world, self.parallel.rank)
         rewards, ref_lp = self._reference(batch, own, metrics)
+        t_teacher = time.perf_counter()
         teacher_lp = None if self.teacher is None else self._teacher_logprobs(batch, own)
+        t_teacher = time.perf_counter() - t_teacher
         plan = self._plan(batch, own)
         prepass = self._prepass(batch, own) if plan.needs_prepass else None
         if prepass is not None:   # else each micro-step prepares its own whole groups
@@ -255,6 +261,7 @@ class Trainer:
         self._metrics(metrics, batch, rewards, acc, prepass, grad_norm, no_signal)
         if teacher_lp is not None:
             metrics.update(_distill_metrics(acc.pieces.logprobs, teacher_lp, batch.train_mask.float()))
+            metrics["time/teacher"] = t_teacher
         metrics.update({"time/forward_backward": t_opt - acc.started, "time/optimizer": t_end - t_opt,
                         "time/trainer_step": t_end - t_start,
                         "train_tokens_per_s": float(mask.sum()) / max(t_end - t_start, 1e-9)})
@@ -285,8 +292,12 @@ class Trainer:
 
     @torch.no_grad()
     def _teacher_logprobs(self, batch: RolloutBatch, own: list[int] | None) -> torch.Tensor:
-        """The distillation teacher's log-probs of the drawn tokens: a frozen module in this process, or an
-        engine of its own (distill.engine=vllm) that scores the batch."""
+        """The distillation teacher's log-probs of the drawn tokens: a frozen module in this process, an engine
+        of its own (distill.engine=vllm) that scores the batch, or the model itself given each row's privileged
+        prompt (distill.teacher=self: the trainer's current weights or the frozen initial ones), no grad."""
+        if isinstance(self.teacher, SelfTeacher):
+            model = self.ref_model if self.teacher.frozen else self.model
+            return self._reference_logprobs(self.teacher.privileged(batch), own, model)
         if isinstance(self.teacher, torch.nn.Module):
             return self._reference_logprobs(batch, own, self.teacher)
         return self.teacher.score(batch).float() * batch.train_mask.float()
@@ -376,7 +387,7 @@ class Trainer:
         corr = alg.correct(prepass.logprobs, batch.sampler_logprobs.float(), mask)
         weights = alg.is_weights(corr)
         adv = alg.advantages(rewards=rewards, mask=mask, group_ids=batch.group_ids, logprobs=prepass.logprobs,
-                             sum_pi_sq=prepass.sum_pi_sq, is_weights=weights)
+                             sum_pi_sq=prepass.sum_pi_sq, is_weights=weights, **alg.term_inputs(batch))
         prepass.prepared = Prepared(adv.advantages, weights, corr.keep)
         prepass.metrics = {**corr.metrics, **adv.metrics}
 
@@ -389,7 +400,7 @@ class Trainer:
         corr = alg.correct(lp, mb.sampler_logprobs.float(), mask, with_metrics=False)
         weights = alg.is_weights(corr)
         adv = alg.advantages(rewards=rewards, mask=mask, group_ids=mb.group_ids, logprobs=lp,
-                             sum_pi_sq=fwd.sum_pi_sq, is_weights=weights, with_metrics=False)
+                             sum_pi_sq=fwd.sum_pi_sq, is_weights=weights, with_metrics=False, **alg.term_inputs(mb))
         return Prepared(adv.advantages, weights, corr.keep)
 
     # ------------------------------------------------------------------------------- stage 5: micro-steps
@@ -601,7 +612,7 @@ class Trainer:
                                                is_weights=weights))
             else:
                 m.update(alg.advantages(rewards=rewards, mask=mask, group_ids=batch.group_ids, logprobs=lp,
-                                        sum_pi_sq=sps, is_weights=weights).metrics)
+                                        sum_pi_sq=sps, is_weights=weights, **alg.term_inputs(batch)).metrics)
         if self.cfg.logging.diagnostics:
             m.update(_tangent_metrics(lp, q, rewards, mask, batch.group_ids))
         m.update(self._fresh_mismatch(batch, lp, q, mask))
@@ -788,6 +799,17 @@ def _to_device(batch: RolloutBatch, device: torch.device) -> RolloutBatch:
     if all(v.device == device and not v.is_inference() for v in fields.values()):
         return batch
     return replace(batch, **{k: (v.clone() if v.is_inference() else v).to(device) for k, v in fields.items()})
+
+
+def _check_self_teacher(cfg: TrainConfig, ref_model) -> None:
+    """distill.teacher=self scores with this process's model: one trainer process, and the frozen initial weights
+    passed as the reference model where they teach."""
+    if cfg.trainer.parallel != "none":
+        raise ValueError(f"distill.teacher=self runs with trainer.parallel=none (got {cfg.trainer.parallel}): the "
+                         "self-teacher scores with the trainer's own model in one process")
+    if needs_initial_weights(cfg) and ref_model is None:
+        raise ValueError("distill.self_teacher.weights=initial scores with the frozen initial weights: pass them "
+                         "(Trainer(model, cfg, ref_model=frozen_copy(model), teacher=...))")
 
 
 def _distill_metrics(lp: torch.Tensor, teacher_lp: torch.Tensor, mask: torch.Tensor) -> dict[str, float]:

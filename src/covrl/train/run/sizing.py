@@ -1,0 +1,481 @@
+"""Sizing a run from the sampler (docs/theory.md §15, docs/training.md "Sizing a run from the sampler").
+
+`sampler.max_new_tokens`, `loop.group_size` and `loop.prompts_per_step` accept `auto`. Before step 1 of a fresh
+run, a probe samples the model RL starts from (after the SFT warm-up) on `sizing.probe_prompts` training prompts x
+`sizing.probe_samples` completions at a generous budget `sizing.probe_max_new_tokens`, with the run's sampler
+settings, and a rule turns what it measured into numbers:
+
+    max_new_tokens  the `length_quantile` of the response lengths (a cut sample counts as the cap) x
+                    `length_headroom`, rounded up to a multiple of 8, within [8, cap]; the cap itself once more
+                    than 1 - length_quantile of the samples are cut (a warning when `cut_warning` of them are)
+    group_size      the smallest G of `group_sizes` (<= rollouts_per_step) whose predicted fraction of constant
+                    groups is <= `constant_target`, else the G that minimises it (a warning)
+    prompts_per_step  max(1, rollouts_per_step // group_size)
+
+The predicted fraction of constant groups of G is the posterior predictive probability that G new samples of a
+prompt all get the same reward, averaged over the probed prompts: binary rewards under a Beta(`prior`) on the
+prompt's pass rate, other rewards under a Dirichlet process with concentration sum(`prior`) over the rewards seen.
+
+The run folder keeps the evidence and the choices (`sizing.json`) and the resolved config (config.yaml, numbers
+only); `--resume` takes the numbers from sizing.json and never probes again. With `sizing.adapt`, an `auto`
+max_new_tokens grows by `adapt_factor` (up to the probe's cap) after `adapt_steps` steps in a row that cut more
+than `adapt_cut_rate` of their responses; the current value is checkpointed with the run (exact resume) and
+logged as `sizing/max_new_tokens`. A value the user typed is never changed.
+
+The rule is a set of pure functions of the evidence (`choose_max_new_tokens`, `choose_group_size`,
+`predicted_constant_fraction`); `size_run` is the part that samples and writes."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import sys
+import time
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+from pydantic import Field, field_validator, model_validator
+
+from covrl.settings import Section, dump_config
+from covrl.train.run.sources import score_rollouts
+
+if TYPE_CHECKING:   # the run's config composes this section: imported for types only
+    from covrl.train.config import TrainConfig
+
+__all__ = ["AUTO", "AUTO_FIELDS", "LengthAdapter", "ProbeEvidence", "SizingConfig", "SizingDecision",
+           "auto_fields", "check_sizable", "choose_group_size", "choose_max_new_tokens", "decide",
+           "predicted_constant_fraction", "prompt_constant_probability", "size_run"]
+
+AUTO = "auto"
+# the fields the probe can size: (section, field)
+AUTO_FIELDS = (("sampler", "max_new_tokens"), ("loop", "group_size"), ("loop", "prompts_per_step"))
+SIZING_FILE = "sizing.json"
+PROBE_SEED_OFFSET = 7_919   # the probe's own generator: the run's generator and stream stay untouched
+ROUND_TO = 8
+MIN_TOKENS = 8
+
+
+class SizingConfig(Section):
+    """How a run sizes the fields set to `auto` (sampler.max_new_tokens, loop.group_size, loop.prompts_per_step)
+    from a probe of its sampler before step 1 (docs/training.md, 'Sizing a run from the sampler')."""
+
+    rollouts_per_step: int = Field(16, ge=1, le=1_000_000, description="rollouts per step when loop.group_size "
+                                   "or loop.prompts_per_step is auto: group_size <= this, prompts_per_step = "
+                                   "max(1, this // group_size)")
+    probe_prompts: int = Field(16, ge=1, le=4096, description="training prompts the probe samples (the stream's "
+                               "first ones; the stream does not advance)")
+    probe_samples: int = Field(4, ge=2, le=256, description="completions per probed prompt")
+    probe_max_new_tokens: int = Field(128, ge=MIN_TOKENS, le=65536, description="the probe's budget (the cap of "
+                                      "an auto max_new_tokens; lowered to fit the model's context)")
+    length_quantile: float = Field(0.95, gt=0.0, le=1.0, description="quantile of the probed response lengths "
+                                   "that max_new_tokens covers (a cut sample counts as the cap)")
+    length_headroom: float = Field(1.25, ge=1.0, le=10.0, description="max_new_tokens = quantile x this, rounded "
+                                   "up to a multiple of 8")
+    group_sizes: list[int] = Field(default_factory=lambda: [4, 8, 16], min_length=1, description="candidate "
+                                   "group sizes, the smallest whose predicted constant fraction is <= "
+                                   "constant_target wins")
+    constant_target: float = Field(0.5, gt=0.0, lt=1.0, description="the predicted fraction of constant groups "
+                                   "(equal rewards, no gradient) a group size must reach")
+    prior: tuple[float, float] = Field((0.5, 0.5), description="Beta(a, b) prior of a prompt's pass rate "
+                                       "(binary rewards); other rewards: a Dirichlet process of concentration a + b")
+    cut_warning: float = Field(0.5, gt=0.0, le=1.0, description="warn when this fraction of the probe's samples "
+                               "reaches the probe's budget")
+    adapt: bool = Field(True, description="raise an auto max_new_tokens while the run goes when steps keep "
+                        "cutting answers (up to the probe's budget); a typed value is never changed")
+    adapt_cut_rate: float = Field(0.5, gt=0.0, le=1.0, description="a step whose response/at_max_frac exceeds "
+                                  "this counts towards adapting")
+    adapt_steps: int = Field(2, ge=1, le=1000, description="consecutive such steps before max_new_tokens grows")
+    adapt_factor: float = Field(1.5, gt=1.0, le=16.0, description="max_new_tokens grows by this factor (rounded "
+                                "up to a multiple of 8)")
+
+    @field_validator("group_sizes")
+    @classmethod
+    def _sizes(cls, v: list[int]) -> list[int]:
+        if any(g < 2 for g in v) or len(set(v)) != len(v) or v != sorted(v):
+            raise ValueError(f"sizing.group_sizes must be distinct, increasing and >= 2 (a group of 1 has no "
+                             f"baseline), got {v}")
+        return v
+
+    @field_validator("prior")
+    @classmethod
+    def _prior(cls, v: tuple[float, float]) -> tuple[float, float]:
+        if not all(x > 0 and math.isfinite(x) for x in v):
+            raise ValueError(f"sizing.prior must be two positive numbers, got {v}")
+        return v
+
+    @model_validator(mode="after")
+    def _budget(self):
+        if self.rollouts_per_step < self.group_sizes[0]:
+            raise ValueError(f"sizing.rollouts_per_step={self.rollouts_per_step} is below the smallest of "
+                             f"sizing.group_sizes={self.group_sizes}")
+        return self
+
+
+# ------------------------------------------------------------------------------------------- the rule
+
+
+def prompt_constant_probability(rewards: Sequence[float], group_size: int, prior: tuple[float, float],
+                                binary: bool) -> float:
+    """P(group_size new samples of a prompt all get the same reward | the probe's `rewards` of that prompt), the
+    posterior predictive. Binary rewards: p ~ Beta(a + s, b + m - s) and E[p^G + (1 - p)^G], a product of Pólya-urn
+    ratios. Other rewards: a Dirichlet process of concentration a + b over the values seen (a value seen c times,
+    of m, repeats G times with probability prod_t (c + t) / (m + α + t); one new value G times with
+    α / (m + α) · prod_{t>=1} t / (m + α + t))."""
+    m, G = len(rewards), int(group_size)
+    if binary:
+        a, b = prior
+        s = sum(1 for r in rewards if r >= 1.0)
+        both = (a + s, b + m - s)
+        return sum(math.prod((c + t) / (a + b + m + t) for t in range(G)) for c in both)
+    alpha = prior[0] + prior[1]
+    seen = sum(math.prod((c + t) / (m + alpha + t) for t in range(G)) for c in Counter(rewards).values())
+    new = alpha / (m + alpha) * math.prod(t / (m + alpha + t) for t in range(1, G))
+    return seen + new
+
+
+def rewards_are_binary(groups: Sequence[Sequence[float]]) -> bool:
+    return all(r in (0.0, 1.0) for g in groups for r in g)
+
+
+def predicted_constant_fraction(groups: Sequence[Sequence[float]], group_size: int,
+                                prior: tuple[float, float] = (0.5, 0.5)) -> float:
+    """The expected fraction of constant groups of `group_size` over the probed prompts (`groups`: each prompt's
+    probe rewards)."""
+    binary = rewards_are_binary(groups)
+    return sum(prompt_constant_probability(g, group_size, prior, binary) for g in groups) / max(len(groups), 1)
+
+
+def choose_group_size(groups: Sequence[Sequence[float]], candidates: Sequence[int], budget: int, target: float,
+                      prior: tuple[float, float] = (0.5, 0.5)) -> tuple[int, dict[int, float], str | None]:
+    """(G, predicted constant fraction of each candidate <= budget, warning or None): the smallest candidate
+    whose prediction is <= target, else the one that minimises it (the largest on ties) with a warning."""
+    allowed = [g for g in candidates if g <= budget] or [min(candidates)]
+    predicted = {g: predicted_constant_fraction(groups, g, prior) for g in allowed}
+    for g in allowed:
+        if predicted[g] <= target:
+            return g, predicted, None
+    best = min(allowed, key=lambda g: (predicted[g], -g))
+    binary = rewards_are_binary(groups)
+    why = ""
+    if binary and all(r < 1.0 for g in groups for r in g):
+        why = "no probe sample was correct; "
+    elif binary and all(r >= 1.0 for g in groups for r in g):
+        why = "every probe sample was correct; "
+    return best, predicted, (f"{why}even loop.group_size={best} leaves an expected {predicted[best]:.0%} of the "
+                             f"groups constant (target {target:.0%}): most steps will carry little gradient; an "
+                             "easier task, an SFT warm-up or a larger sizing.rollouts_per_step would help")
+
+
+def nearest_rank(values: Sequence[int], q: float) -> int:
+    """The q-quantile by nearest rank: the smallest value with at least a fraction q of `values` at or below."""
+    ordered = sorted(values)
+    return ordered[max(0, math.ceil(q * len(ordered)) - 1)]
+
+
+def round_up(n: float, multiple: int = ROUND_TO) -> int:
+    return int(math.ceil(n / multiple) * multiple)
+
+
+def choose_max_new_tokens(lengths: Sequence[int], cap: int, *, quantile: float = 0.95, headroom: float = 1.25,
+                          floor: int = MIN_TOKENS, cut_warning: float = 0.5) -> tuple[int, float, str | None]:
+    """(max_new_tokens, fraction of samples cut at `cap`, warning or None). A sample of length >= cap was cut:
+    it counts as cap in the quantile (a censored length), so more cut samples never give a smaller budget."""
+    if not lengths:
+        raise ValueError("choose_max_new_tokens: no probe lengths")
+    censored = [min(int(n), cap) for n in lengths]
+    cut = sum(1 for n in censored if n >= cap) / len(censored)
+    q = nearest_rank(censored, quantile)
+    tokens = cap if q >= cap else min(cap, round_up(max(floor, MIN_TOKENS, q * headroom)))
+    warning = None
+    if cut >= cut_warning:
+        warning = (f"{cut:.0%} of the probe's samples reached its budget of {cap} tokens: answers may be longer "
+                   f"still; max_new_tokens = {cap} (raise sizing.probe_max_new_tokens, or set "
+                   "sampler.max_new_tokens)")
+    return max(min(tokens, cap), 1), cut, warning
+
+
+# ---------------------------------------------------------------------------------------- evidence
+
+
+@dataclass(frozen=True)
+class ProbeEvidence:
+    """What the probe measured: each sample's response length (tokens, `cap` = cut), each prompt's rewards and
+    verdicts (correct = reward >= 1 or the task's grader)."""
+
+    lengths: list[int]
+    cap: int
+    rewards: list[list[float]]
+    correct: list[list[bool]]
+
+    def summary(self, quantile: float) -> dict[str, Any]:
+        finished = [n for n in self.lengths if n < self.cap]
+        pass_rates = [sum(c) / len(c) for c in self.correct]
+        variances = [sum((r - sum(g) / len(g)) ** 2 for r in g) / len(g) for g in self.rewards]
+        return {
+            "prompts": len(self.rewards), "samples_per_prompt": len(self.rewards[0]) if self.rewards else 0,
+            "cap": self.cap, "cut_frac": sum(1 for n in self.lengths if n >= self.cap) / max(len(self.lengths), 1),
+            "length_to_eos": ({"mean": sum(finished) / len(finished), "p50": nearest_rank(finished, 0.5),
+                               f"p{round(100 * quantile)}": nearest_rank(finished, quantile), "max": max(finished)}
+                              if finished else None),
+            "pass_rate_mean": sum(pass_rates) / max(len(pass_rates), 1),
+            "prompts_all_wrong": sum(1 for p in pass_rates if p == 0.0),
+            "prompts_all_right": sum(1 for p in pass_rates if p == 1.0),
+            "reward_variance_within_mean": sum(variances) / max(len(variances), 1),
+            "rewards_binary": rewards_are_binary(self.rewards),
+        }
+
+
+@dataclass(frozen=True)
+class SizingDecision:
+    resolved: dict[str, int]                     # "sampler.max_new_tokens" -> 24, ... (the auto fields only)
+    predicted_constant: dict[int, float]
+    cut_frac: float
+    warnings: list[str]
+
+
+def auto_fields(cfg: TrainConfig) -> list[str]:
+    """The dotted names of the fields set to auto."""
+    return [f"{s}.{f}" for s, f in AUTO_FIELDS if getattr(getattr(cfg, s), f) == AUTO]
+
+
+def decide(evidence: ProbeEvidence, cfg: TrainConfig) -> SizingDecision:
+    """The rule applied to the probe's evidence, for the fields of `cfg` that are auto."""
+    scfg, auto = cfg.sizing, auto_fields(cfg)
+    resolved: dict[str, int] = {}
+    warnings: list[str] = []
+    floor = _overlong_floor(cfg)
+    tokens, cut, warning = choose_max_new_tokens(evidence.lengths, evidence.cap, quantile=scfg.length_quantile,
+                                                 headroom=scfg.length_headroom, floor=floor,
+                                                 cut_warning=scfg.cut_warning)
+    if "sampler.max_new_tokens" in auto:
+        resolved["sampler.max_new_tokens"] = tokens
+        warnings += [warning] if warning else []
+    group = cfg.loop.group_size
+    predicted: dict[int, float] = {}
+    if "loop.group_size" in auto:
+        group, predicted, warning = choose_group_size(evidence.rewards, scfg.group_sizes, scfg.rollouts_per_step,
+                                                      scfg.constant_target, scfg.prior)
+        resolved["loop.group_size"] = group
+        warnings += [warning] if warning else []
+    else:
+        predicted = {group: predicted_constant_fraction(evidence.rewards, group, scfg.prior)}
+    if "loop.prompts_per_step" in auto:
+        resolved["loop.prompts_per_step"] = max(1, scfg.rollouts_per_step // group)
+    return SizingDecision(resolved, predicted, cut, warnings)
+
+
+def _overlong_floor(cfg: TrainConfig) -> int:
+    """A budget below the overlong penalty's buffer (which counts towards max_new_tokens when its own
+    max_tokens is unset) would be refused: the floor of an auto max_new_tokens."""
+    overlong = cfg.task.overlong_reward
+    return overlong.buffer + 1 if overlong.buffer > 0 and overlong.max_tokens is None else MIN_TOKENS
+
+
+# ------------------------------------------------------------------------------------- the config side
+
+
+def check_sizable(cfg: TrainConfig) -> None:
+    """Raise a ValueError naming the field when `auto` is set where this release cannot size it (the probe
+    runs in the sync loop's process, single-turn, on the hf sampler, one trainer)."""
+    auto = auto_fields(cfg)
+    if not auto:
+        return
+    first = auto[0]
+    why = ("loop.mode=" + cfg.loop.mode if cfg.loop.mode != "sync" else
+           "trainer.parallel=" + cfg.trainer.parallel if cfg.trainer.parallel != "none" else
+           "sampler.backend=" + cfg.sampler.backend if cfg.sampler.backend != "hf" else
+           "task.env.name=" + cfg.task.env.name if cfg.task.env.name else
+           "task.name=verifiers" if cfg.task.name == "verifiers" else None)
+    if why:
+        raise ValueError(f"{first}=auto is sized by a probe of the sync loop's hf sampler on single-turn "
+                         f"completions, with one trainer; this run has {why}: give {', '.join(auto)} a number")
+
+
+def resolve_config(cfg: TrainConfig, resolved: dict[str, int]) -> TrainConfig:
+    """`cfg` with the dotted fields of `resolved` set, validated whole again (the checks that skipped auto run)."""
+    data = cfg.model_dump()
+    for dotted, value in resolved.items():
+        section, name = dotted.split(".")
+        data[section][name] = int(value)
+    return type(cfg).model_validate(data)
+
+
+# ------------------------------------------------------------------------------------------- the probe
+
+
+def _probe(cfg: TrainConfig, c, build_sampler_fn) -> ProbeEvidence:
+    """Sample the model RL starts from on the stream's next `probe_prompts` prompts (the stream does not advance),
+    `probe_samples` each, with the run's sampler settings at the probe's budget, and score them."""
+    scfg, stream, task, tokenizer = cfg.sizing, c.stream, c.task, c.tokenizer
+    k = min(scfg.probe_prompts, len(stream.items))
+    examples = [stream.items[stream.index_at(p)] for p in range(stream.position, stream.position + k)]
+    prompts = [task.encode(tokenizer, ex) for ex in examples]
+    context = getattr(getattr(c.model, "config", None), "max_position_embeddings", None)
+    cap = scfg.probe_max_new_tokens
+    if context:   # the prompt and the response fit the model's positions
+        cap = min(cap, int(context) - max(len(p) for p in prompts))
+    if cap < MIN_TOKENS:
+        raise ValueError(f"sizing: the model's context ({context} positions) leaves {cap} tokens after the longest "
+                         f"probed prompt; set sampler.max_new_tokens to a number")
+    sampler = build_sampler_fn(cfg.sampler.model_copy(update={"max_new_tokens": cap}), c.model, tokenizer)
+    budget = task.response_budget
+    task.response_budget = cap   # the overlong penalty (if any) counts towards the probe's budget meanwhile
+    try:
+        generator = torch.Generator().manual_seed(cfg.run.seed + PROBE_SEED_OFFSET)
+        batch = sampler.generate(prompts, scfg.probe_samples, generator=generator, policy_version=0)
+        scored = score_rollouts(task, tokenizer, batch, examples, scfg.probe_samples)
+    finally:
+        task.response_budget = budget
+        del sampler
+    m = scfg.probe_samples
+    rewards = scored.sequence_rewards.tolist()
+    correct = [bool(x) for x in (scored.correct if scored.correct is not None else [r >= 1.0 for r in rewards])]
+    lengths = [int(n) for n in batch.response_mask.sum(1).tolist()]
+    return ProbeEvidence(lengths=lengths, cap=cap, rewards=[rewards[i * m:(i + 1) * m] for i in range(k)],
+                         correct=[correct[i * m:(i + 1) * m] for i in range(k)])
+
+
+def _write_json(path: Path, data: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(data, indent=2))
+    os.replace(tmp, path)
+
+
+def describe(record: dict[str, Any]) -> str:
+    """The compact block printed at the start of a sized run."""
+    ev, res, pred = record["evidence"], record["resolved"], record["predicted_constant"]
+    lengths = ev["length_to_eos"]
+    q = f"p{round(100 * record['rule']['length_quantile'])}"
+    lines = [f"sizing: probe of {ev['prompts']} prompts x {ev['samples_per_prompt']} samples at up to {ev['cap']} "
+             f"tokens ({record['time/probe_s']:.1f} s)"]
+    length = (f"lengths to EOS p50 {lengths['p50']} / {q} {lengths[q]} / max {lengths['max']}" if lengths
+              else "no sample ended before the budget")
+    lines.append(f"  {length}, {ev['cut_frac']:.0%} cut -> sampler.max_new_tokens="
+                 f"{res.get('sampler.max_new_tokens', 'as set')}")
+    constant = ", ".join(f"G={g} {p:.0%}" for g, p in pred.items())
+    lines.append(f"  pass rate {ev['pass_rate_mean']:.0%} ({ev['prompts_all_wrong']} prompts all wrong, "
+                 f"{ev['prompts_all_right']} all right); constant groups predicted {constant}")
+    lines.append(f"  -> loop.group_size={record['config']['loop.group_size']}, loop.prompts_per_step="
+                 f"{record['config']['loop.prompts_per_step']}")
+    return "\n".join(lines)
+
+
+def size_run(cfg: TrainConfig, c, run_dir: Path, *, resumed: bool, build_sampler_fn,
+             console: bool = True) -> tuple[TrainConfig, dict[str, Any] | None, float]:
+    """(the resolved config, the sizing record or None, probe seconds). A config without `auto` comes back as it
+    is. Resumed (a checkpoint loaded): the numbers of the run folder's sizing.json, no probe. Fresh: the probe,
+    the rule, sizing.json and the block on the console. Either way config.yaml is rewritten with the numbers and
+    the task's overlong budget follows the resolved max_new_tokens."""
+    auto = auto_fields(cfg)
+    if not auto:
+        return cfg, None, 0.0
+    path = Path(run_dir) / SIZING_FILE
+    probe_s = 0.0
+    if resumed:
+        try:
+            record = json.loads(path.read_text())
+            recorded = record["resolved_all"]
+        except (OSError, ValueError, KeyError) as err:
+            raise FileNotFoundError(f"--resume: {', '.join(auto)} are auto and {path} does not hold the numbers "
+                                    f"the run was sized with ({type(err).__name__}); set them to the run's "
+                                    "values (its config.yaml)") from None
+        resolved = {k: int(recorded[k]) for k in auto}
+        record = {**record, "auto": auto}   # what this attempt resolved from the file (an adapter reads it)
+    else:
+        t0 = time.perf_counter()
+        evidence = _probe(cfg, c, build_sampler_fn)
+        decision = decide(evidence, cfg)
+        probe_s = time.perf_counter() - t0
+        resolved = decision.resolved
+        record = {"auto": auto, "resolved": resolved,
+                  "evidence": evidence.summary(cfg.sizing.length_quantile),
+                  "predicted_constant": {str(g): p for g, p in decision.predicted_constant.items()},
+                  "warnings": decision.warnings, "time/probe_s": probe_s,
+                  "rule": cfg.sizing.model_dump(mode="json")}
+    out = resolve_config(cfg, resolved)
+    if not resumed:
+        record["config"] = {f"{s}.{f}": getattr(getattr(out, s), f) for s, f in AUTO_FIELDS}
+        record["resolved_all"] = record["config"]
+        _write_json(path, record)
+        if console and cfg.logging.console:
+            print(describe(record | {"predicted_constant": decision.predicted_constant}), flush=True)
+        for warning in decision.warnings:
+            print(f"warning: sizing: {warning}", file=sys.stderr, flush=True)
+    (Path(run_dir) / "config.yaml").write_text(dump_config(out))
+    if c.task.cfg.overlong_reward.max_tokens is None:
+        c.task.response_budget = out.sampler.max_new_tokens
+    return out, record, probe_s
+
+
+# ------------------------------------------------------------------------------------ while it runs
+
+
+class LengthAdapter:
+    """`sizing.adapt` for an auto sampler.max_new_tokens: after `adapt_steps` steps in a row whose
+    response/at_max_frac exceeds `adapt_cut_rate`, max_new_tokens x `adapt_factor` (rounded up to a multiple of 8,
+    at most `cap`, the probe's budget). Checkpointed with the run (`run.register("sizing", ...)`): a resumed run
+    samples with the budget the uninterrupted one had."""
+
+    def __init__(self, run, cap: int):
+        self.run = run
+        self.cap = int(cap)
+        self.streak = 0
+        self.changes: list[dict[str, int]] = []
+        self.warned = False
+
+    @property
+    def max_new_tokens(self) -> int:
+        return int(self.run.cfg.sampler.max_new_tokens)
+
+    def _set(self, tokens: int) -> None:
+        run = self.run
+        run.cfg.sampler.max_new_tokens = tokens   # validate_assignment checks it
+        if getattr(run.sampler, "cfg", None) is not None and run.sampler.cfg is not run.cfg.sampler:
+            run.sampler.cfg = run.sampler.cfg.model_copy(update={"max_new_tokens": tokens})
+        if run.task.cfg.overlong_reward.max_tokens is None:
+            run.task.response_budget = tokens
+
+    def observe(self, record: dict[str, Any]) -> None:
+        """After a step's record is made (its cut rate at the budget it sampled with), before it is logged:
+        grow the budget when due; the record gets `sizing/max_new_tokens` (the budget of the next step)."""
+        scfg = self.run.cfg.sizing
+        frac = record.get("response/at_max_frac")
+        self.streak = self.streak + 1 if isinstance(frac, float) and frac > scfg.adapt_cut_rate else 0
+        if self.streak >= scfg.adapt_steps and self.max_new_tokens < self.cap:
+            old, new = self.max_new_tokens, min(self.cap, round_up(self.max_new_tokens * scfg.adapt_factor))
+            self._set(new)
+            self.streak = 0
+            self.changes.append({"step": int(self.run.step), "from": old, "to": new})
+            if not self.warned:
+                self.warned = True
+                self.run.message(f"step {self.run.step}: {scfg.adapt_steps} steps in a row cut more than "
+                                 f"{scfg.adapt_cut_rate:.0%} of the responses: sampler.max_new_tokens {old} -> "
+                                 f"{new} (sizing.adapt; at most {self.cap}; each change: sizing/max_new_tokens in "
+                                 "metrics.jsonl)")
+        record["sizing/max_new_tokens"] = float(self.max_new_tokens)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"max_new_tokens": self.max_new_tokens, "streak": self.streak, "changes": list(self.changes),
+                "warned": self.warned}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.streak = int(state["streak"])
+        self.changes = list(state.get("changes", []))
+        self.warned = bool(state.get("warned", False))
+        if int(state["max_new_tokens"]) != self.max_new_tokens:
+            self._set(int(state["max_new_tokens"]))
+
+
+def attach_adapter(run, record: dict[str, Any] | None) -> LengthAdapter | None:
+    """The LengthAdapter of a sized run whose max_new_tokens was auto and `sizing.adapt` is on (registered with
+    the run's checkpointer), else None."""
+    if record is None or not run.cfg.sizing.adapt or "sampler.max_new_tokens" not in record.get("auto", []):
+        return None
+    adapter = LengthAdapter(run, cap=int(record["evidence"]["cap"]))
+    run.register("sizing", adapter)
+    return adapter

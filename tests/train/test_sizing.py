@@ -1,0 +1,268 @@
+"""Sizing a run from the sampler (covrl.train.run.sizing): the rule on hand-made evidence, the predicted fraction of
+constant groups against brute-force enumeration of the Pólya urn, monotonicity of the token budget, the config's
+`auto` values, and tiny sync runs: sizing.json and a resolved config.yaml, typed values never changed, the budget
+adapting while the run goes, and a resume that does not probe again and repeats the uninterrupted run exactly."""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from train_helpers import comparable, tiny_cfg
+
+from covrl.config import ConfigError, load_config
+from covrl.train.run import sizing
+from covrl.train.run.driver import train_sync
+from covrl.train.run.folder import prepare_run
+from covrl.train.run.sinks import read_jsonl
+from covrl.train.run.sizing import (
+    LengthAdapter,
+    ProbeEvidence,
+    choose_group_size,
+    choose_max_new_tokens,
+    decide,
+    predicted_constant_fraction,
+    prompt_constant_probability,
+)
+
+torch.set_num_threads(1)
+AUTO = {"sampler.max_new_tokens": "auto", "loop.group_size": "auto", "loop.prompts_per_step": "auto",
+        "sizing.probe_max_new_tokens": 24}
+
+
+# ------------------------------------------------------------------------------------------ the rule
+
+
+def test_all_prompts_wrong_take_the_largest_group_and_warn():
+    groups = [[0.0] * 4 for _ in range(16)]
+    g, predicted, warning = choose_group_size(groups, [4, 8, 16], budget=16, target=0.5)
+    # Beta(1/2, 9/2) posterior: E[(1-p)^G] + E[p^G] = prod_t (4.5 + t) / (5 + t) + prod_t (0.5 + t) / (5 + t)
+    assert predicted[4] == pytest.approx(math.prod((4.5 + t) / (5 + t) for t in range(4))
+                                         + math.prod((0.5 + t) / (5 + t) for t in range(4)))
+    assert predicted[4] > predicted[8] > 0.5 >= predicted[16] and g == 16 and warning is None
+    g, predicted, warning = choose_group_size(groups, [4, 8, 16], budget=8, target=0.5)
+    assert g == 8 and set(predicted) == {4, 8} and "no probe sample was correct" in warning
+
+
+def test_half_right_prompts_take_groups_of_four():
+    groups = [[1.0, 0.0, 1.0, 0.0] for _ in range(16)]
+    g, predicted, warning = choose_group_size(groups, [4, 8, 16], budget=16, target=0.5)
+    assert g == 4 and warning is None
+    assert predicted[4] == pytest.approx(2 * math.prod((2.5 + t) / (5 + t) for t in range(4)))
+
+
+def test_lengths_all_ten_give_sixteen_tokens():
+    tokens, cut, warning = choose_max_new_tokens([10] * 64, cap=128)
+    assert (tokens, cut, warning) == (16, 0.0, None)   # 10 x 1.25 = 12.5 -> a multiple of 8
+
+
+def test_short_answers_get_the_floor_and_most_cut_get_the_cap_with_a_warning():
+    assert choose_max_new_tokens([1, 2, 3], cap=128)[0] == 8
+    assert choose_max_new_tokens([1, 2, 3], cap=128, floor=33)[0] == 40   # overlong buffer + 1, rounded up
+    tokens, cut, warning = choose_max_new_tokens([128] * 40 + [20] * 24, cap=128)
+    assert tokens == 128 and cut == pytest.approx(40 / 64) and "reached its budget of 128" in warning
+    # more than 5% cut: the 95th percentile is censored at the cap, no warning below cut_warning
+    tokens, cut, warning = choose_max_new_tokens([128] * 8 + [20] * 56, cap=128)
+    assert tokens == 128 and warning is None
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 200), min_size=1, max_size=40), st.integers(8, 160), st.data())
+def test_more_cut_samples_never_give_a_smaller_budget(lengths, cap, data):
+    before, cut_before, _ = choose_max_new_tokens(lengths, cap)
+    i = data.draw(st.integers(0, len(lengths) - 1))
+    longer = list(lengths)
+    longer[i] = cap   # one more sample reaches the cap (or one got longer)
+    after, cut_after, _ = choose_max_new_tokens(longer, cap)
+    assert after >= before and cut_after >= cut_before
+    assert 1 <= after <= cap and (after % 8 == 0 or after == cap)
+
+
+def _urn_constant(counts: dict, g: int, alpha: float | None, prior=(0.5, 0.5)) -> float:
+    """Brute force: enumerate every sequence of g draws from the Pólya urn (binary: colours 0/1 with weights prior +
+    counts; alpha: a Dirichlet process over the seen values plus new ones) and add the probability of those whose
+    g draws are all equal."""
+    total = 0.0
+    if alpha is None:
+        for seq in itertools.product((0.0, 1.0), repeat=g):
+            w = {0.0: prior[1] + counts.get(0.0, 0), 1.0: prior[0] + counts.get(1.0, 0)}
+            p = 1.0
+            for x in seq:
+                p *= w[x] / (w[0.0] + w[1.0])
+                w[x] += 1
+            total += p if len(set(seq)) == 1 else 0.0
+        return total
+
+    def walk(weights: dict, drawn: list, p: float):
+        nonlocal total
+        if len(drawn) == g:
+            total += p if len(set(drawn)) == 1 else 0.0
+            return
+        n = sum(weights.values()) + alpha
+        for v, c in weights.items():
+            walk({**weights, v: c + 1}, drawn + [v], p * c / n)
+        new = ("new", len(drawn))
+        walk({**weights, new: 1}, drawn + [new], p * alpha / n)
+
+    walk(dict(counts), [], 1.0)
+    return total
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.integers(1, 6), st.data(), st.integers(1, 6))
+def test_constant_probability_matches_the_enumerated_urn(m, data, g):
+    s = data.draw(st.integers(0, m))
+    rewards = [1.0] * s + [0.0] * (m - s)
+    exact = prompt_constant_probability(rewards, g, (0.5, 0.5), binary=True)
+    assert exact == pytest.approx(_urn_constant({1.0: s, 0.0: m - s}, g, None), rel=1e-9)
+    values = data.draw(st.lists(st.sampled_from([0.0, 0.25, 0.5, 2.0]), min_size=m, max_size=m))
+    if g <= 5:
+        exact = prompt_constant_probability(values, g, (0.5, 0.5), binary=False)
+        counts = {v: values.count(v) for v in set(values)}
+        assert exact == pytest.approx(_urn_constant(counts, g, alpha=1.0), rel=1e-9)
+
+
+def test_constant_fraction_goes_down_with_the_group_and_non_binary_rewards_use_the_values():
+    groups = [[1.0, 0.0, 0.0, 0.0], [0.0] * 4, [1.0] * 4]
+    fractions = [predicted_constant_fraction(groups, g) for g in (2, 4, 8, 16)]
+    assert fractions == sorted(fractions, reverse=True)
+    # graded rewards, a Dirichlet process of concentration 1 (m = 4): four distinct values 4 x 4!/(5·6·7·8), plus
+    # a new value 1/5 · 3!/(6·7·8); one value seen 4 times 4·5·6·7/(5·6·7·8) = 1/2, plus the same new value
+    assert predicted_constant_fraction([[0.2, 0.7, 0.4, 0.9]], 4) == pytest.approx(16 / 280 + 1 / 280)
+    assert predicted_constant_fraction([[0.5] * 4], 4) == pytest.approx(1 / 2 + 1 / 280)
+
+
+def test_decide_fills_only_the_auto_fields():
+    evidence = ProbeEvidence(lengths=[10] * 64, cap=128, rewards=[[1.0, 0.0, 1.0, 0.0]] * 16,
+                             correct=[[True, False, True, False]] * 16)
+    cfg = load_config(None, ["sampler.max_new_tokens=auto", "loop.group_size=auto", "loop.prompts_per_step=auto",
+                             "sizing.rollouts_per_step=32"])
+    assert decide(evidence, cfg).resolved == {"sampler.max_new_tokens": 16, "loop.group_size": 4,
+                                              "loop.prompts_per_step": 8}
+    typed = load_config(None, ["loop.group_size=8", "loop.prompts_per_step=auto"])
+    assert decide(evidence, typed).resolved == {"loop.prompts_per_step": 2}
+
+
+# ---------------------------------------------------------------------------------------- the config
+
+
+def test_auto_config_checks_instead_of_filling_in():
+    cfg = load_config(None, ["loop.group_size=auto", "sampler.max_new_tokens=auto"])
+    assert cfg.loop.group_size == "auto" and cfg.sampler.max_new_tokens == "auto" and cfg.loop.prompts_per_step == 8
+    with pytest.raises(ValueError, match="loop.group_size=auto is not resolved yet"):
+        _ = cfg.loop.rollouts_per_step
+    with pytest.raises(ConfigError, match=r"loop.group_size=auto is sized by a probe .* loop.mode=async"):
+        load_config(None, ["loop.group_size=auto", "loop.mode=async"])
+    with pytest.raises(ConfigError, match="sampler.max_new_tokens"):
+        load_config(None, ["sampler.max_new_tokens=automatic"])
+    with pytest.raises(ConfigError, match="sizing.group_sizes must be distinct"):
+        load_config(None, ["loop.group_size=auto", "sizing.group_sizes=[8,4]"])
+    # overlong buffer against an auto budget: checked after the probe (the budget's floor is buffer + 1)
+    load_config(None, ["sampler.max_new_tokens=auto", "task.overlong_reward.buffer=40"])
+
+
+# ---------------------------------------------------------------------------------------- tiny runs
+
+
+def test_auto_run_writes_sizing_json_and_a_resolved_config(tmp_path):
+    run = prepare_run(tiny_cfg(tmp_path, **{"run.name": "auto", **AUTO}), console=False)
+    summary = train_sync(run)
+    run.close()
+    folder = tmp_path / "auto"
+    record = json.loads((folder / "sizing.json").read_text())
+    resolved = load_config(folder / "config.yaml")   # numbers, loadable as a config of its own
+    assert record["auto"] == ["sampler.max_new_tokens", "loop.group_size", "loop.prompts_per_step"]
+    assert record["resolved"] == {"sampler.max_new_tokens": resolved.sampler.max_new_tokens,
+                                  "loop.group_size": resolved.loop.group_size,
+                                  "loop.prompts_per_step": resolved.loop.prompts_per_step}
+    assert resolved.loop.group_size in (4, 8, 16) and resolved.loop.rollouts_per_step <= 16
+    assert 8 <= resolved.sampler.max_new_tokens <= record["evidence"]["cap"] <= 24
+    assert record["evidence"]["prompts"] == 16 and record["evidence"]["samples_per_prompt"] == 4
+    assert set(record["predicted_constant"]) == {"4", "8", "16"}
+    assert summary["sizing"]["config"] == record["config"]
+    assert summary["session_time_split_s"]["probe"] == pytest.approx(record["time/probe_s"])
+    assert record["time/probe_s"] > 0
+    records = read_jsonl(folder / "metrics.jsonl")
+    assert len(records) == 3 and all(r["rollouts"] == (i + 1) * resolved.loop.rollouts_per_step
+                                     for i, r in enumerate(records))
+    assert all("sizing/max_new_tokens" in r for r in records)
+
+
+def test_typed_values_are_never_changed(tmp_path):
+    over = {"run.name": "typed", "sampler.max_new_tokens": 4, "loop.group_size": 4, "loop.prompts_per_step": "auto",
+            "sizing.rollouts_per_step": 8, "sizing.probe_max_new_tokens": 24, "sizing.adapt_cut_rate": 0.01,
+            "sizing.adapt_steps": 1}
+    run = prepare_run(tiny_cfg(tmp_path, **over), console=False)
+    train_sync(run)
+    run.close()
+    record = json.loads((tmp_path / "typed" / "sizing.json").read_text())
+    resolved = load_config(tmp_path / "typed" / "config.yaml")
+    assert record["resolved"] == {"loop.prompts_per_step": 2}
+    assert (resolved.sampler.max_new_tokens, resolved.loop.group_size) == (4, 4)
+    records = read_jsonl(tmp_path / "typed" / "metrics.jsonl")
+    assert run.length_adapter is None and not any("sizing/max_new_tokens" in r for r in records)
+    assert all(r["response/at_max_frac"] > 0.01 for r in records)   # would have adapted an auto budget
+
+
+def _adapter(max_new_tokens=16, cap=64, **sizing_over):
+    over = ["sampler.max_new_tokens=auto"] + [f"sizing.{k}={v}" for k, v in sizing_over.items()]
+    cfg = sizing.resolve_config(load_config(None, over), {"sampler.max_new_tokens": max_new_tokens})
+    messages = []
+    run = SimpleNamespace(cfg=cfg, sampler=SimpleNamespace(cfg=cfg.sampler), step=0,
+                          task=SimpleNamespace(cfg=cfg.task, response_budget=max_new_tokens),
+                          message=lambda text, **kw: messages.append(text))
+    return LengthAdapter(run, cap=cap), run, messages
+
+
+def test_adapter_grows_the_budget_after_k_cut_steps_up_to_the_cap_and_says_so_once():
+    adapter, run, messages = _adapter(adapt_steps=2, adapt_cut_rate=0.5)
+    seen = []
+    for step, frac in enumerate([0.9, 0.1, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9], start=1):
+        run.step = step
+        record = {"response/at_max_frac": frac}
+        adapter.observe(record)
+        seen.append(record["sizing/max_new_tokens"])
+    assert seen == [16, 16, 16, 24, 24, 40, 40, 64, 64, 64]   # x1.5 rounded up to 8, capped at 64
+    assert run.cfg.sampler.max_new_tokens == run.task.response_budget == 64
+    assert [c["to"] for c in adapter.changes] == [24, 40, 64] and len(messages) == 1
+    fresh, fresh_run, _ = _adapter(adapt_steps=2, adapt_cut_rate=0.5)
+    fresh.load_state_dict(adapter.state_dict())
+    assert fresh_run.cfg.sampler.max_new_tokens == 64 and fresh.state_dict() == adapter.state_dict()
+
+
+def test_resume_after_the_probe_does_not_probe_again_and_is_exact(tmp_path, monkeypatch):
+    # a budget below the probe's cap (the 10th percentile, no headroom) and a low adapt threshold: the budget
+    # grows by a multiple of 8 after every step, so the checkpoint at step 2 must carry it
+    over = {"loop.steps": 4, "eval.before": False, **AUTO, "sizing.probe_max_new_tokens": 40,
+            "sizing.length_quantile": 0.1, "sizing.length_headroom": 1.0, "sizing.adapt_cut_rate": 0.01,
+            "sizing.adapt_steps": 1, "sizing.adapt_factor": 1.1}
+    straight = prepare_run(tiny_cfg(tmp_path, **{"run.name": "straight", **over}), console=False)
+    train_sync(straight)
+    straight.close()
+    first = prepare_run(tiny_cfg(tmp_path, **{"run.name": "split", **over}), console=False)
+    train_sync(first, stop_after=2)
+    first.close()
+
+    def no_probe(*args, **kwargs):
+        raise AssertionError("a resumed run probed again")
+
+    monkeypatch.setattr(sizing, "_probe", no_probe)
+    resumed = prepare_run(tiny_cfg(tmp_path, **{"run.name": "split", **over}), resume=True, console=False)
+    assert resumed.cfg.loop.group_size == first.cfg.loop.group_size
+    train_sync(resumed)
+    resumed.close()
+    a = comparable(read_jsonl(tmp_path / "straight" / "metrics.jsonl"))
+    b = comparable(read_jsonl(tmp_path / "split" / "metrics.jsonl"))
+    assert len(a) == len(b) == 4 and a == b
+    start = json.loads((tmp_path / "split" / "sizing.json").read_text())["resolved"]["sampler.max_new_tokens"]
+    budgets = [r["sizing/max_new_tokens"] for r in a]
+    assert start < budgets[0] < budgets[1]   # both changes before the checkpoint the run resumes from
+    assert resumed.length_adapter.changes == straight.length_adapter.changes
+    for (ka, va), (kb, vb) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert ka == kb and torch.equal(va, vb), ka
