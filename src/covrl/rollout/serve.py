@@ -8,8 +8,9 @@ sampler (hf or vLLM, the current policy version), and every token it reports is 
 exactly as the sync loop records it.
 
     POST /inference/v1/generate  {"token_ids": [...], "sampling_params": {...}}
-         -> {"prompt_token_ids": [...], "choices": [{"token_ids": [...], "finish_reason": "stop" | "length",
-             "logprobs": {"content": [{"token": "token_id:<id>", "logprob": <log q>}, ...]}}]}
+         -> {"prompt_token_ids": [...], "policy_version": <version>, "choices": [{"token_ids": [...],
+             "finish_reason": "stop" | "length", "logprobs": {"content": [{"token": "token_id:<id>",
+             "logprob": <log q>, "top_logprobs": [...] (with sampler.return_topk)}, ...]}}]}
     GET  /v1/models  -> {"data": [{"id": <name>, "max_model_len": <context>}]}
 
 Requests that arrive together (concurrent episodes) are generated in one batched `sampler.generate` call: the
@@ -173,11 +174,17 @@ class GenerateServer:
                 if cut is not None:
                     ids, lps = ids[:cut + 1], lps[:cut + 1]
                 finish = "stop" if (ids and (ids[-1] in eos or ids[-1] in item.stop_ids)) else "length"
+                content = [{"token": f"token_id:{t}", "logprob": float(lp)} for t, lp in zip(ids, lps)]
+                if out.sampler_topk_ids is not None:   # sampler.return_topk: OpenAI's top_logprobs per token
+                    top_ids, top_lps = out.sampler_topk_ids[j].tolist(), out.sampler_topk_logprobs[j].tolist()
+                    for k, entry in enumerate(content):
+                        entry["top_logprobs"] = [{"token": f"token_id:{t}", "logprob": float(lp)}
+                                                 for t, lp in zip(top_ids[k], top_lps[k])]
                 item.result = {
                     "request_id": uuid.uuid4().hex, "prompt_token_ids": item.prompt,
+                    "policy_version": version if version is not None else getattr(self.sampler, "version", None),
                     "choices": [{"index": 0, "token_ids": ids, "finish_reason": finish,
-                                 "logprobs": {"content": [{"token": f"token_id:{t}", "logprob": float(lp)}
-                                                          for t, lp in zip(ids, lps)]}}],
+                                 "logprobs": {"content": content}}],
                     "usage": {"prompt_tokens": len(item.prompt), "completion_tokens": len(ids),
                               "total_tokens": len(item.prompt) + len(ids)},
                 }

@@ -8,6 +8,7 @@ from typing import Annotated, Any, ClassVar, Literal
 from pydantic import Field, field_validator, model_validator
 
 from covrl.settings import Section, config_note, known_name
+from covrl.tasks.agent import AgentConfig
 from covrl.tasks.registry import TASKS
 
 
@@ -350,6 +351,8 @@ class TaskConfig(Section):
                                    "tools (env.name set) instead of single-turn completions")
     verifiers: VerifiersConfig = Field(default_factory=VerifiersConfig,
                                        description="verifiers environment (task.name=verifiers)")
+    agent: AgentConfig = Field(default_factory=AgentConfig, description="an agent program that calls covrl's "
+                               "OpenAI-compatible endpoint (task.agent.fn); its episodes are the rollouts")
     reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig,
                                               description="reasoning-gym dataset (task.name=reasoning_gym)")
     overlong_reward: OverlongRewardConfig = Field(default_factory=OverlongRewardConfig,

@@ -164,5 +164,10 @@ def _record_failure(run: Run, failure: BaseException) -> None:
 
 def train_sync(run: Run, *, stop_after: int | None = None) -> dict[str, Any]:
     """The synchronous loop: generate with the run's sampler, then train on it (`run_loop` + `SyncSource`, or
-    `DynamicSamplingSource` with `loop.dynamic_sampling`; episodes for a task with an environment)."""
+    `DynamicSamplingSource` with `loop.dynamic_sampling`; episodes for a task with an environment; an agent
+    program's episodes with `task.agent.fn`: `AgentSource`)."""
+    if run.cfg.task.agent.fn:
+        from covrl.train.run.agent_source import AgentSource
+
+        return run_loop(run, AgentSource(run), stop_after=stop_after)
     return run_loop(run, build_sync_source(run), stop_after=stop_after)

@@ -1,0 +1,155 @@
+"""The sync loop's source for `task.agent`: each step's rollouts are episodes of the user's agent program, played
+against covrl's OpenAI-compatible endpoint around the run's sampler (covrl.rollout.openai_api), turned into rows
+from the recorded token ids (covrl.rollout.agents: the merge rule) and scored by the program's returned reward,
+else by the task's reward of the episode's last assistant text.
+
+Failures of the program (it raises, passes task.agent.timeout_s, returns something else than a number or None,
+makes no call) follow covrl's user-code rule (covrl.tasks.failures.FailureWatch: the first traceback at once,
+the run stops past task.max_reward_error_rate over task.reward_error_window episodes); a failed episode gives
+no row. Per step: task/agent_failed, task/agent_timeouts (fractions of episodes), task/agent_calls and
+task/agent_rows (per finished episode), task/agent_split_episodes (the fraction of finished episodes whose calls
+gave more than one row: the chat template rewrote the history), task/agent_episode_s."""
+
+from __future__ import annotations
+
+import time
+from dataclasses import replace
+from typing import Any
+
+import torch
+
+from covrl.rollout.agents import AgentEpisode, AgentRunner, agent_batch
+from covrl.rollout.episodes import PLAIN_CHAT_TEMPLATE
+from covrl.rollout.openai_api import CallLog, OpenAIServer
+from covrl.rollout.types import RolloutTiming, ScoredBatch
+from covrl.tasks.agent import load_agent
+from covrl.tasks.failures import FailureWatch
+from covrl.train.run.sources import SourceBatch, SyncSource, choose_prompts
+
+__all__ = ["AgentSource", "count_failures", "score_agent_episodes"]
+
+
+def _check(cfg) -> None:
+    if cfg.loop.dynamic_sampling:
+        raise ValueError("task.agent with loop.dynamic_sampling=true is not supported; set loop.dynamic_sampling=false")
+    if cfg.task.env.name is not None or cfg.task.name == "verifiers":
+        raise ValueError("task.agent.fn: the agent plays its own episodes; leave task.env.name unset and use a data "
+                         "task (task.name) for its examples")
+    sel = cfg.selection
+    if sel.strategy != "uniform" or sel.group_sizes != "fixed":
+        raise ValueError("task.agent with selection.* other than uniform prompts and fixed group sizes is not "
+                         "supported")
+
+
+def count_failures(watch: FailureWatch, episodes: list[AgentEpisode], examples: list) -> None:
+    """The failed episodes to the user-code rule: the first with its traceback, then counted; raises
+    UserCodeError when they pass the rate."""
+    failed = [k for k, ep in enumerate(episodes) if ep.error is not None]
+    for k in failed:
+        ep = episodes[k]
+        watch.failed(ep.error, f"episode {k}", f"example {examples[ep.example].prompt[:60]!r}")
+    watch.observe(len(episodes), len(failed))
+
+
+def score_agent_episodes(task, tokenizer, episodes: list[AgentEpisode], examples: list, sampler, *,
+                         policy_version: int, positions: list[int] | None = None,
+                         generate_s: float = 0.0) -> ScoredBatch:
+    """The rows of the finished episodes, scored: the program's reward, else the task's reward of the last
+    assistant text (the task's grader says correct there; a returned reward >= 1 is correct). Every row of an
+    episode carries its reward."""
+    t0 = time.perf_counter()
+    done = [k for k, ep in enumerate(episodes) if ep.error is None]
+    rewards = {k: episodes[k].reward for k in done}
+    correct = {k: rewards[k] is not None and rewards[k] >= 1.0 for k in done}
+    metrics: dict[str, float] = {}
+    todo = [k for k in done if rewards[k] is None]
+    if todo:
+        scored = task.score([episodes[k].final_text for k in todo], [examples[episodes[k].example] for k in todo])
+        for j, k in enumerate(todo):
+            rewards[k], correct[k] = float(scored.rewards[j]), bool(scored.correct[j])
+        metrics.update({f"task/{key.split('/', 1)[-1]}": float(v) for key, v in scored.metrics.items()
+                        if key not in ("reward/mean", "reward/accuracy")})
+    batch, owner = agent_batch(episodes, sampler, tokenizer, policy_version=policy_version,
+                               timing=RolloutTiming(generate_s=generate_s))
+    n_eps, n_done = max(len(episodes), 1), max(len(done), 1)
+    rows_of = {k: owner.count(k) for k in done}
+    metrics.update({
+        "task/agent_failed": sum(ep.error is not None for ep in episodes) / n_eps,
+        "task/agent_timeouts": sum(ep.timed_out for ep in episodes) / n_eps,
+        "task/agent_calls": sum(len(episodes[k].calls) for k in done) / n_done,
+        "task/agent_rows": sum(rows_of.values()) / n_done,
+        "task/agent_split_episodes": sum(r > 1 for r in rows_of.values()) / n_done,
+        "task/agent_episode_s": sum(ep.seconds for ep in episodes) / n_eps,
+    })
+    lengths = batch.response_mask.sum(1).long().tolist()
+    texts = [tokenizer.decode(batch.response_ids[i, :lengths[i]].tolist(), skip_special_tokens=True)
+             for i in range(len(owner))]
+    row_rewards = torch.tensor([rewards[k] if k >= 0 else 0.0 for k in owner], dtype=torch.float32)
+    out = batch.scored(row_rewards, correct=[correct[k] if k >= 0 else False for k in owner], texts=texts,
+                       task_metrics=metrics, score_s=time.perf_counter() - t0)
+    if positions is not None:
+        out = replace(out, prompt_index=torch.tensor([positions[episodes[k].example] if k >= 0 else positions[0]
+                                                      for k in owner], dtype=torch.long))
+    return out
+
+
+class AgentSource(SyncSource):
+    """`task.agent.fn`'s episodes between steps (the sync loop): the next prompts of the stream, `loop.group_size`
+    episodes each, through an OpenAI-compatible endpoint around the run's sampler (made at the first step,
+    closed at `stop`). Evaluation is the run's own (single-turn prompts of the task)."""
+
+    def __init__(self, run):
+        super().__init__(run)
+        cfg = run.cfg
+        _check(cfg)
+        self.acfg = cfg.task.agent
+        self.fn = load_agent(self.acfg.fn)
+        self.failures = FailureWatch(
+            f"agent {self.acfg.fn}", unit="episodes", window=cfg.task.reward_error_window,
+            max_rate=cfg.task.max_reward_error_rate,
+            limits=f"task.max_reward_error_rate={cfg.task.max_reward_error_rate} over "
+                   f"task.reward_error_window={cfg.task.reward_error_window}")
+        self.server: OpenAIServer | None = None
+        self.runner: AgentRunner | None = None
+
+    def _endpoint(self) -> OpenAIServer:
+        if self.server is None:
+            run = self.run
+            tokenizer = run.tokenizer
+            template = None if getattr(tokenizer, "chat_template", None) else PLAIN_CHAT_TEMPLATE
+            self.server = OpenAIServer(run.sampler, tokenizer, calls=CallLog(strict=True), chat_template=template,
+                                       generator=run.generator)
+            self.runner = AgentRunner(self.server, self.fn, concurrency=self.acfg.concurrency,
+                                      timeout_s=self.acfg.timeout_s)
+        return self.server
+
+    def waiting_for(self) -> str:
+        cfg = self.run.cfg
+        return (f"{cfg.loop.rollouts_per_step} episodes of the agent {cfg.task.agent.fn} (up to "
+                f"task.agent.timeout_s={cfg.task.agent.timeout_s:g} s each, {cfg.task.agent.concurrency} at once)")
+
+    def next_batch(self, trainer_version: int) -> SourceBatch:
+        run = self.run
+        lcfg = run.cfg.loop
+        server = self._endpoint()
+        server.sampler, server.generator = run.sampler, run.generator
+        server.version = lambda: trainer_version
+        examples, positions, sizes = choose_prompts(run, lcfg.prompts_per_step, lcfg.group_size)
+        t0 = time.perf_counter()
+        episodes = self.runner.run(examples, sizes)
+        generate_s = time.perf_counter() - t0
+        count_failures(self.failures, episodes, examples)
+        scored = score_agent_episodes(run.task, run.tokenizer, episodes, examples, run.sampler,
+                                      policy_version=trainer_version, positions=positions, generate_s=generate_s)
+        return SourceBatch(scored, metrics={}, examples=tuple(examples))
+
+    def stop(self) -> None:
+        if self.runner is not None:
+            self.runner.close()
+            self.runner = None
+        if self.server is not None:
+            self.server.close()
+            self.server = None
+
+    def summary(self) -> dict[str, Any]:
+        return {"agent": {"fn": self.acfg.fn, "failed_episodes": self.failures.failures}}
