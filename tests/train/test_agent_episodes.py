@@ -3,7 +3,10 @@ the recorded token ids (no re-tokenising). Checked by hand-built ids: a call tha
 prompt + completion merges into one row whose loss mask covers exactly the sampled tokens; a call after the
 history was rewritten starts a second row with the episode's reward; an agent that raises, hangs, returns a
 non-number or makes no call is shown, counted by the user-code rule and trains nothing; a tiny sync run trains
-with a toy agent end to end."""
+with a toy agent end to end. On the tiny model (no chat template) a two-call tool agent merges into one row with
+exact masks and exact ratios; held-out evaluation plays the agent (greedy = the sampler's greedy decoding);
+command agents (task.agent.command) report a reward or fail visibly; the threaded async loop trains an agent with
+each token's call version in the staleness ledger."""
 
 from __future__ import annotations
 
@@ -25,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "rollout"))
 from scripted import TEMPLATE, ScriptedSampler, encode, tiny_model  # noqa: E402
 from train_helpers import tiny_cfg  # noqa: E402
 
-from covrl.rollout.agents import AgentRunner, agent_batch, episode_rows  # noqa: E402
+from covrl.rollout.agents import AgentEpisode, AgentRunner, agent_batch, episode_rows  # noqa: E402
 from covrl.rollout.openai_api import AgentCall, CallLog, OpenAIServer  # noqa: E402
 from covrl.tasks import Example, FailureWatch, UserCodeError  # noqa: E402
 from covrl.train.run.agent_source import AgentSource, count_failures, score_agent_episodes  # noqa: E402
@@ -259,6 +262,283 @@ def test_tiny_sync_run_trains_a_toy_agent(tmp_path, monkeypatch):
         # the tokenizer has no chat template: covrl's plain one renders the user turn as its text, exactly
         for i in range(len(b)):
             prompt = b.prompt_ids[i][b.prompt_mask[i] > 0].tolist()
-            assert re.fullmatch(r"Compute \d[+]\d\. Answer with just the number\.", run.tokenizer.decode(prompt))
+            assert re.fullmatch(r"Compute \d[+]\d\. Answer with just the number\.\n", run.tokenizer.decode(prompt))
             assert encode(run.tokenizer, run.tokenizer.decode(prompt)) == prompt
         assert torch.equal(b.train_mask, b.response_mask)
+
+
+TOOL_AGENT = '''
+import openai
+
+TOOLS = [{"type": "function", "function": {"name": "add", "description": "a + b", "parameters": {
+    "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}}}}]
+
+
+async def run(base_url, api_key, example):
+    """Asks, sends the tool's result back, asks again; odd answers: the first reply comes back rewritten."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": example.plain_prompt}]
+    first = await client.chat.completions.create(model="covrl", messages=messages, tools=TOOLS)
+    said = first.choices[0].message.content
+    messages += [{"role": "assistant", "content": "?" if int(example.answer) % 2 else said},
+                 {"role": "tool", "tool_call_id": "call_0", "content": example.answer}]
+    second = await client.chat.completions.create(model="covrl", messages=messages, tools=TOOLS)
+    return float(second.choices[0].message.content == example.answer)
+'''
+
+
+def test_a_two_call_tool_agent_on_the_tiny_model_merges_and_its_ratios_are_exact(tmp_path):
+    """A tokenizer without a chat template: covrl's plain agent format (the generation prompt is the line break
+    the next rendering puts before the assistant text) lets the second call extend the first, so the episode is
+    one row: the first prompt, the first draw, the EOS + tool turn + line break (context), the second draw. A
+    rewritten first reply gives two rows. On both, the trainer's fp32 forward of the built rows reproduces the
+    recorded sampler log-probs: the mismatch k3 is at the fp32 floor."""
+    (tmp_path / "tool_agent.py").write_text(TOOL_AGENT)
+    cfg = tiny_cfg(tmp_path, **{"run.name": "merge", "task.agent.fn": f"{tmp_path / 'tool_agent.py'}:run",
+                                "model.tiny.max_positions": 96, "sampler.max_new_tokens": 6, "sft_warmup.steps": 0})
+    run = prepare_run(cfg, console=False)
+    tok, eos = run.tokenizer, run.tokenizer.eos_token_id
+    source = AgentSource(run)
+    source.player._endpoint().version = lambda: 0
+    examples = run.task.eval[:8]
+    try:
+        episodes = source.player.runner.run(examples, 2)
+    finally:
+        source.stop()
+    assert [ep.error for ep in episodes] == [None] * 16
+    batch, owner = agent_batch(episodes, run.sampler, tok, policy_version=0)
+    merged = split = 0
+    for k, ep in enumerate(episodes):
+        ex = examples[ep.example]
+        first, second = ep.calls
+        # the prompts, rendered by hand: the user line + the generation prompt's line break ...
+        prompt = encode(tok, ex.plain_prompt + "\n")
+        assert first.prompt_ids == prompt
+        drawn = first.completion_ids[:-1] if first.completion_ids[-1:] == [eos] else first.completion_ids
+        rewritten = int(ex.answer) % 2 == 1
+        said = encode(tok, "?" if rewritten else tok.decode(drawn, skip_special_tokens=True))
+        # ... then the assistant text, its EOS, the tool line and the next generation prompt
+        assert second.prompt_ids == prompt + said + [eos] + encode(tok, "\n" + ex.answer + "\n")
+        rows = [i for i, o in enumerate(owner) if o == k]
+        lengths = batch.response_mask.sum(1).long().tolist()
+        if said == drawn:      # the reply came back as drawn: one row, the gap (EOS if cut, tool turn) masked
+            merged += 1
+            gap = second.prompt_ids[len(prompt) + len(first.completion_ids):]
+            tokens = first.completion_ids + gap + second.completion_ids
+            mask = [1.0] * len(first.completion_ids) + [0.0] * len(gap) + [1.0] * len(second.completion_ids)
+            logq = first.logprobs + [0.0] * len(gap) + second.logprobs
+            (i,) = rows
+            assert lengths[i] == len(tokens) and batch.response_ids[i, :len(tokens)].tolist() == tokens
+            assert batch.prompt_ids[i][batch.prompt_mask[i] > 0].tolist() == prompt
+            assert batch.train_mask[i, :len(tokens)].tolist() == mask and batch.train_mask[i].sum() == sum(mask)
+            assert batch.sampler_logprobs[i, :len(tokens)].tolist() == pytest.approx(logq)
+        else:                  # a rewritten (or not re-encodable) reply: one row per call, every token sampled
+            split += 1
+            assert len(rows) == 2
+            for i, call in zip(rows, ep.calls):
+                assert batch.prompt_ids[i][batch.prompt_mask[i] > 0].tolist() == call.prompt_ids
+                assert batch.response_ids[i, :lengths[i]].tolist() == call.completion_ids
+                assert batch.train_mask[i].sum() == lengths[i] == len(call.completion_ids)
+    assert merged >= 4 and split >= 4
+    fwd = forward_batch(run.model, batch, float(run.cfg.sampler.temperature), with_stats=False)
+    mask = batch.train_mask > 0
+    log_r = fwd.logprobs[mask] - batch.sampler_logprobs[mask]
+    k3 = torch.expm1(log_r) - log_r
+    assert mask.sum() > 0 and log_r.abs().max() < 1e-4 and k3.mean() < 1e-9
+    run.close()
+
+
+def test_held_out_evaluation_plays_the_agent_greedily(tmp_path):
+    """With task.agent, eval runs the agent on the held-out prompts: its greedy pass gets the sampler's greedy
+    completion of the agent's prompt (compared with sampler.generate(greedy=True) on the same ids), graded by
+    the task; the accuracy printed and kept in eval.json is the agent's, before and after training."""
+    (tmp_path / "toy_agent.py").write_text(AGENT)
+    cfg = tiny_cfg(tmp_path, **{"run.name": "agent-eval", "task.agent.fn": f"{tmp_path / 'toy_agent.py'}:run",
+                                "loop.steps": 1, "sft_warmup.steps": 2, "eval.max_prompts": 6,
+                                "eval.pass_at_k": 2, "model.tiny.max_positions": 64})
+    run = prepare_run(cfg, console=False)
+    examples = run.task.eval[:6]
+    tok = run.tokenizer
+    from covrl.rollout.openai_api import PLAIN_AGENT_TEMPLATE
+
+    prompts = [encode(tok, ex.prompt + "\n") for ex in examples]
+    assert prompts[0] == encode(tok, tok.apply_chat_template([{"role": "user", "content": examples[0].prompt}],
+                                                             chat_template=PLAIN_AGENT_TEMPLATE, tokenize=False,
+                                                             add_generation_prompt=True))
+    out = run.sampler.generate(prompts, 1, generator=torch.Generator().manual_seed(0), greedy=True)
+    lengths = out.response_mask.sum(1).long().tolist()
+    texts = [tok.decode(out.response_ids[i, :lengths[i]].tolist(), skip_special_tokens=True) for i in range(6)]
+    graded = run.task.score(texts, examples)
+    summary = train_sync(run)
+    run.close()
+    assert summary["status"] == "completed"
+    evals = read_jsonl_evals(tmp_path / "agent-eval" / "eval.json")
+    assert [e["label"] for e in evals] == ["before", "after"]
+    before = evals[0]
+    assert before["greedy"]["n"] == 6 and before["greedy"]["agent_calls"] == 1.0
+    assert before["greedy"]["agent_failed"] == 0.0
+    assert [e["completion"] for e in before["greedy"]["examples"]] == texts[:5]
+    assert before["greedy"]["accuracy"] == pytest.approx(sum(graded.correct) / 6)
+    assert before["greedy"]["reward_mean"] == pytest.approx(sum(graded.rewards) / 6)
+    assert before["sampled"]["n"] == 6 and before["pass@k"]["n"] == 2 and len(before["pass@k"]["correct_counts"]) == 6
+    assert all(0 <= c <= 2 for c in before["pass@k"]["correct_counts"])
+    assert evals[1]["greedy"]["n"] == 6 and evals[1]["policy_version"] == 1
+
+
+def read_jsonl_evals(path):
+    import json
+
+    return json.loads(path.read_text())["evals"]
+
+
+COMMAND_AGENT = r'''
+import json, os, subprocess, sys, time, urllib.request
+
+example = json.load(sys.stdin)
+kind = example["meta"].get("kind", "ok")
+print("log line on stdout", flush=True)
+request = urllib.request.Request(
+    os.environ["OPENAI_BASE_URL"] + "/chat/completions", method="POST",
+    data=json.dumps({"model": "covrl", "messages": [{"role": "user", "content": example["prompt"]}]}).encode(),
+    headers={"Content-Type": "application/json", "Authorization": "Bearer " + os.environ["OPENAI_API_KEY"]})
+answer = json.load(urllib.request.urlopen(request))["choices"][0]["message"]["content"]
+if kind == "exit":
+    print("the agent broke", file=sys.stderr)
+    sys.exit(3)
+if kind == "hang":
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    open(example["meta"]["pid_file"], "w").write(str(child.pid))
+    time.sleep(60)
+if kind == "garbage":
+    print("seven")
+elif kind == "null":
+    print("null")
+else:
+    print(0.5 if answer == "x1" else 0.0)
+'''
+
+
+def test_command_agents_read_the_example_and_report_a_reward_or_fail_visibly(endpoint, tok, tmp_path):
+    """task.agent.command: a program per episode with the endpoint and the episode's key in its environment and
+    the example as JSON on stdin; its last stdout line is the reward (null: the task's). A non-zero exit, a
+    timeout (the process group killed: a child it started is gone too) and a last line that is not a number
+    fail the episode, shown at once with the program's stderr, and counted by the user-code rule."""
+    import os
+
+    from covrl.tasks.agent import AgentCommandError, AgentConfig, build_agent, parse_reward_line
+
+    script = tmp_path / "agent.py"
+    script.write_text(COMMAND_AGENT)
+    pid_file = tmp_path / "child.pid"
+    kinds = ["ok", "null", "exit", "hang", "garbage"]
+    examples = [Example(prompt=f"{k}?", answer="", meta={"kind": k, "pid_file": str(pid_file)}) for k in kinds]
+    fn = build_agent(AgentConfig(command=f"{sys.executable} {script}", timeout_s=3.0))
+    runner = AgentRunner(endpoint, fn, concurrency=5, timeout_s=3.0)
+    try:
+        episodes = runner.run(examples, 1)
+    finally:
+        runner.close()
+    by_kind = dict(zip(kinds, episodes))
+    assert by_kind["ok"].error is None and by_kind["ok"].reward == 0.5
+    assert by_kind["null"].error is None and by_kind["null"].reward is None
+    assert [c.prompt_ids for c in by_kind["ok"].calls] == [encode(tok, "U:ok?\nA:")]    # the episode's calls
+    exit_error = by_kind["exit"].error
+    assert isinstance(exit_error, AgentCommandError) and "status 3" in str(exit_error)
+    assert "the agent broke" in str(exit_error)
+    assert by_kind["hang"].timed_out
+    child = int(pid_file.read_text())
+    deadline = time.time() + 10
+    while time.time() < deadline:
+        try:
+            os.kill(child, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("the agent command's child outlived the episode's timeout")
+    assert isinstance(by_kind["garbage"].error, AgentCommandError) and "'seven'" in str(by_kind["garbage"].error)
+    assert all(len(ep.calls) == 1 for ep in episodes)
+    reports: list[str] = []
+    watch = FailureWatch("agent command", unit="episodes", window=5, max_rate=0.5, report=reports.append)
+    with pytest.raises(UserCodeError, match="status 3"):
+        count_failures(watch, episodes, examples)      # 3 of 5 failed: past the rate
+    assert watch.failures == 3 and len(reports) == 1 and "the agent broke" in reports[0]
+    # the reward line, by hand
+    assert parse_reward_line("a\n 1.5 \n\n") == 1.5
+    assert parse_reward_line("") is None and parse_reward_line("None") is None
+    for bad in ("nan", "inf", "1.5 points"):
+        with pytest.raises(AgentCommandError):
+            parse_reward_line(bad)
+    with pytest.raises(ValueError, match="not both"):
+        AgentConfig(fn="a.py:run", command="python a.py")
+
+
+def test_tiny_sync_run_trains_a_command_agent(tmp_path):
+    (tmp_path / "agent.py").write_text(COMMAND_AGENT)
+    command = f"{sys.executable} {tmp_path / 'agent.py'}"
+    cfg = tiny_cfg(tmp_path, **{"run.name": "command", "task.agent.command": command,
+                                "loop.steps": 1, "sft_warmup.steps": 0, "eval.before": False, "eval.after": False})
+    run = prepare_run(cfg, console=False)
+    summary = train_sync(run)
+    run.close()
+    assert summary["status"] == "completed" and summary["agent"]["failed_episodes"] == 0
+    (record,) = read_jsonl(tmp_path / "command" / "metrics.jsonl")
+    assert record["task/agent_calls"] == 1.0 and record["task/agent_failed"] == 0.0
+
+
+def test_token_versions_are_each_calls_weights_version(tok):
+    """A row merged from calls drawn by different weight versions: each token carries its call's version (the
+    gap the second call's), the row's policy_version is the oldest; the async loop's ledger reads them."""
+    from covrl.train.asyncrl.source import token_lag_metrics
+
+    calls = [AgentCall([5, 6], [7, 8], [-0.1, -0.2], "stop", 3, ""),
+             AgentCall([5, 6, 7, 8, 9], [10], [-0.3], "stop", 4, ""),
+             AgentCall([11], [12, 13], [-0.4, -0.5], "stop", 4, "")]   # a rewritten history: a second row
+    ep = AgentEpisode(0, calls, reward=1.0)
+    sampler = ScriptedSampler(tok, lambda p: "")
+    batch, owner = agent_batch([ep], sampler, tok, policy_version=9)
+    assert owner == [0, 0] and batch.policy_version.tolist() == [3, 4]
+    assert batch.versions_per_token[0, :4].tolist() == [3, 3, 4, 4]      # 7 8 | gap 9 | 10
+    assert batch.versions_per_token[1, :2].tolist() == [4, 4]
+    lag = token_lag_metrics(batch, 5)
+    # sampled tokens: 7, 8 (version 3), 10, 12, 13 (version 4): lags 2, 2, 1, 1, 1
+    assert lag["async/token_lag_mean"] == pytest.approx(7 / 5) and lag["async/token_lag_max"] == 2.0
+    assert lag["async/mixed_rows_frac"] == 0.5
+
+
+def test_threaded_async_loop_trains_an_agent_within_the_staleness_bound(tmp_path, monkeypatch):
+    """loop.mode=async, thread backend: the sampler thread plays chunks of agent episodes through the endpoint
+    around its own weights while the trainer trains; every row's tokens carry the version that drew them, within
+    the staleness bound, and the final evaluation plays the agent."""
+    from covrl.train.asyncrl.config import AsyncLoopConfig
+    from covrl.train.asyncrl.source import prepare_async_run, train_async
+
+    (tmp_path / "toy_agent.py").write_text(AGENT)
+    stepped = []
+    real_step = Trainer.step
+
+    def recording_step(self, batch, *a, **kw):
+        stepped.append((self.version, batch))
+        return real_step(self, batch, *a, **kw)
+
+    monkeypatch.setattr(Trainer, "step", recording_step)
+    cfg = tiny_cfg(tmp_path, **{"run.name": "agent-async", "task.agent.fn": f"{tmp_path / 'toy_agent.py'}:run",
+                                "loop.steps": 4, "sft_warmup.steps": 0, "eval.before": False, "eval.sampled": False,
+                                "model.tiny.max_positions": 64})
+    run = prepare_async_run(cfg, console=False)
+    summary = train_async(run, acfg=AsyncLoopConfig(max_staleness_steps=1, chunk_prompts=1))
+    run.close()
+    assert summary["status"] == "completed" and summary["agent"]["failed_episodes"] == 0
+    assert summary["async"]["rollouts_consumed"] == 4 * 16
+    records = read_jsonl(tmp_path / "agent-async" / "metrics.jsonl")
+    assert len(records) == 4 and all(r["async/staleness_max"] <= 1 for r in records)
+    assert all(r["task/agent_calls"] == 1.0 for r in records)
+    assert len(stepped) == 4
+    for version, batch in stepped:
+        drawn = batch.versions_per_token[batch.train_mask > 0]
+        assert drawn.numel() and bool((drawn <= version).all()) and bool((version - drawn <= 1).all())
+        for i in range(len(batch)):    # one call per episode: every sampled token from the row's version
+            assert set(batch.versions_per_token[i][batch.train_mask[i] > 0].tolist()) == {int(batch.policy_version[i])}
+    evals = read_jsonl_evals(tmp_path / "agent-async" / "eval.json")
+    assert [e["label"] for e in evals] == ["after"] and evals[0]["greedy"]["agent_calls"] == 1.0
+    assert run.agent.server is None     # the endpoint is closed at the end

@@ -37,13 +37,15 @@ __all__ = ["AgentEpisode", "AgentRunner", "Row", "agent_batch", "episode_rows"]
 @dataclass
 class Row:
     """One training row: `prompt` (the first call's prompt ids), then `tokens` with `model` (1 = sampled) and
-    `logq` (log q of sampled tokens, 0 elsewhere); `versions`: the policy version of each call merged in."""
+    `logq` (log q of sampled tokens, 0 elsewhere); `versions`: the policy version of each call merged in;
+    `token_versions`: per token of `tokens`, the version of the call that added it (None: not recorded)."""
 
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
     model: list[int] = field(default_factory=list)
     logq: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
+    token_versions: list[int | None] = field(default_factory=list)
 
     @property
     def sequence(self) -> list[int]:
@@ -68,6 +70,7 @@ def episode_rows(calls: list[AgentCall]) -> list[Row]:
         best.tokens += gap + list(call.completion_ids)
         best.model += [0] * len(gap) + [1] * len(call.completion_ids)
         best.logq += [0.0] * len(gap) + [float(x) for x in call.logprobs]
+        best.token_versions += [call.policy_version] * (len(gap) + len(call.completion_ids))
         if call.policy_version is not None:
             best.versions.append(int(call.policy_version))
     return rows
@@ -192,11 +195,14 @@ def agent_batch(episodes: list[AgentEpisode], sampler, tokenizer, *, policy_vers
                 timing: RolloutTiming | None = None) -> tuple[RolloutBatch, list[int]]:
     """The training rows of the finished episodes (failed ones give none), as one RolloutBatch (group id = the
     episode's example index; policy_version = the oldest version of a row's calls), and each row's episode
-    index. With no finished episode: one placeholder row with nothing in the loss (episode index -1)."""
+    index; `token_versions`: each token's call's version (the staleness ledger counts per call: a row whose calls
+    were drawn by two weight versions is mixed). With no finished episode: one placeholder row with nothing in the
+    loss (episode index -1)."""
     rows: list[Episode] = []
     owner: list[int] = []
     groups: list[int] = []
     versions: list[int] = []
+    per_token: list[list[int]] = []
     fallback = sampler.version if policy_version is None else int(policy_version)
     for k, ep in enumerate(episodes):
         if ep.error is not None:
@@ -206,10 +212,14 @@ def agent_batch(episodes: list[AgentEpisode], sampler, tokenizer, *, policy_vers
             owner.append(k)
             groups.append(ep.example)
             versions.append(min(row.versions) if row.versions else fallback)
+            per_token.append([fallback if v is None else int(v) for v in row.token_versions])
     if not rows:
         rows = [Episode(prompt=[_pad_id(sampler, tokenizer)], tokens=[], model=[], logq=[])]
-        owner, groups, versions = [-1], [0], [fallback]
+        owner, groups, versions, per_token = [-1], [0], [fallback], [[]]
     batch = _assemble(rows, 1, sampler, tokenizer, policy_version, timing or RolloutTiming())
+    token_versions = torch.tensor(versions, dtype=torch.long)[:, None].repeat(1, batch.response_ids.shape[1])
+    for i, row_versions in enumerate(per_token):
+        token_versions[i, :len(row_versions)] = torch.tensor(row_versions, dtype=torch.long)
     batch = replace(batch, group_ids=torch.tensor(groups, dtype=torch.long),
-                    policy_version=torch.tensor(versions, dtype=torch.long))
+                    policy_version=torch.tensor(versions, dtype=torch.long), token_versions=token_versions)
     return batch, owner

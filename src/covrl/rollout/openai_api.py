@@ -43,7 +43,8 @@ from dataclasses import dataclass, field
 from covrl.rollout.serve import GenerateServer, _Pending
 from covrl.tasks.tools import TOOL_CALL_PATTERN, parse_tool_calls
 
-__all__ = ["AgentCall", "CallLog", "EPISODE_HEADER", "EPISODE_KEY_PREFIX", "OpenAIServer", "episode_api_key"]
+__all__ = ["AgentCall", "CallLog", "EPISODE_HEADER", "EPISODE_KEY_PREFIX", "OpenAIServer", "PLAIN_AGENT_TEMPLATE",
+           "episode_api_key"]
 
 EPISODE_KEY_PREFIX = "ep-"
 EPISODE_HEADER = "X-Covrl-Episode"
@@ -57,6 +58,21 @@ _HARMLESS = {"seed", "user", "metadata", "store", "parallel_tool_calls", "stream
 _COMMON = {"model", "n", "max_tokens", "stop", "stop_token_ids", "logprobs", "stream", "return_token_ids"}
 _CHAT = _COMMON | {"messages", "max_completion_tokens", "top_logprobs", "tools", "tool_choice", "chat_template_kwargs"}
 _COMPLETION = _COMMON | {"prompt", "add_special_tokens"}
+
+# The chat format for a tokenizer without a chat template (the tiny char models): the messages' texts one per
+# line, an assistant turn closed by EOS, tool calls in covrl's <tool_call> form (the line breaks are Jinja
+# expressions: chat templates render with trim_blocks, which eats a literal one after a tag). The generation
+# prompt is the line break that the next call's rendering puts before the assistant text, so a later call's
+# prompt begins with the earlier prompt + the sampled ids (+ the EOS the template adds when the draw was cut)
+# and the calls merge into one row (covrl.rollout.agents). covrl.rollout.episodes.PLAIN_CHAT_TEMPLATE ends a
+# user turn with nothing instead, so there a second call's prompt never extends the first call's.
+PLAIN_AGENT_TEMPLATE = (
+    "{% for m in messages %}{% if not loop.first %}{{ '\\n' }}{% endif %}{{ m['content'] or '' }}"
+    "{% for tc in m.get('tool_calls') or [] %}<tool_call>{\"name\": \"{{ tc['function']['name'] }}\", "
+    "\"arguments\": {{ tc['function']['arguments'] if tc['function']['arguments'] is string "
+    "else tc['function']['arguments'] | tojson }}}</tool_call>{% endfor %}"
+    "{% if m['role'] == 'assistant' %}{{ eos_token }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '\\n' }}{% endif %}")
 
 
 def episode_api_key(episode: str) -> str:

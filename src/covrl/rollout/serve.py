@@ -48,6 +48,11 @@ _IGNORED_FIELDS = {"logprobs", "skip_special_tokens", "stop_token_ids", "n", "se
 _NEUTRAL = {"top_p": 1.0, "top_k": -1, "min_p": 0.0}
 
 
+class _HTTPServer(ThreadingHTTPServer):
+    # many episodes connect at once: socketserver's backlog of 5 overflows and some connections are reset
+    request_queue_size = 1024
+
+
 @dataclass
 class _Pending:
     prompt: list[int]
@@ -77,7 +82,7 @@ class GenerateServer:
         self._queue: queue.Queue[_Pending] = queue.Queue()
         self._lock = threading.Lock()      # one generate at a time; load_weights callers take it too
         self._stop = threading.Event()
-        self._httpd = ThreadingHTTPServer(("127.0.0.1", 0), self._handler())
+        self._httpd = _HTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
         self.port = int(self._httpd.server_address[1])
         self._threads = [threading.Thread(target=self._httpd.serve_forever, name="covrl-generate-http", daemon=True),

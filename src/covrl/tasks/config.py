@@ -352,7 +352,8 @@ class TaskConfig(Section):
     verifiers: VerifiersConfig = Field(default_factory=VerifiersConfig,
                                        description="verifiers environment (task.name=verifiers)")
     agent: AgentConfig = Field(default_factory=AgentConfig, description="an agent program that calls covrl's "
-                               "OpenAI-compatible endpoint (task.agent.fn); its episodes are the rollouts")
+                               "OpenAI-compatible endpoint (task.agent.fn or task.agent.command); its episodes are the "
+                               "rollouts")
     reasoning_gym: ReasoningGymConfig = Field(default_factory=ReasoningGymConfig,
                                               description="reasoning-gym dataset (task.name=reasoning_gym)")
     overlong_reward: OverlongRewardConfig = Field(default_factory=OverlongRewardConfig,

@@ -262,8 +262,11 @@ class _LocalWorkerMixin:
             run.generator.set_state(chunk.meta["rng_before"])
         examples, positions = st.chunk_examples(chunk)
         refresh = self._refresh if st.acfg.partial_rollouts else None
-        batch = generate_chunk(run.sampler, run.task, run.tokenizer, run.cfg.task, examples, positions, st.group_size,
-                               run.generator, chunk.version, refresh=refresh)
+        if run.agent is not None:   # task.agent: the chunk's episodes through the endpoint around this sampler
+            batch = run.agent.play(examples, st.group_size, version=chunk.version, positions=positions)
+        else:
+            batch = generate_chunk(run.sampler, run.task, run.tokenizer, run.cfg.task, examples, positions,
+                                   st.group_size, run.generator, chunk.version, refresh=refresh)
         self._maybe_probe(batch)
         with st.cond:
             st.complete_chunk(chunk, batch)

@@ -98,6 +98,13 @@ class AsyncSource:
         name = pool or ("serial" if acfg.emulate else acfg.local_backend) if pool_factory is None else "ray"
         if acfg.partial_rollouts:
             _check_partial_rollouts(run.cfg, name)
+        if run.cfg.task.agent.enabled:   # the pool's own sampler serves the agent's endpoint (one process)
+            if name not in ("serial", "thread") or acfg.partial_rollouts:
+                raise ValueError(f"task.agent in the async loop takes async_loop.local_backend=thread (or emulate) "
+                                 f"without partial_rollouts; got the {name} pool")
+            from covrl.train.run.agent_source import attach_agent
+
+            attach_agent(run)
         if pool_factory is None:
             if name not in POOLS:
                 raise ValueError(f"unknown async pool {name!r}; allowed: {', '.join(POOLS)}")
@@ -182,7 +189,11 @@ class AsyncSource:
         return out
 
     def evaluate(self, label: str) -> dict[str, Any]:
-        return self.pool.evaluate(label)
+        try:
+            return self.pool.evaluate(label)
+        finally:
+            if self._stopped and self.run.agent is not None:   # the evaluation after the loop: its endpoint
+                self.run.agent.close()
 
     def waiting_for(self) -> str:
         st = self.state
@@ -199,6 +210,8 @@ class AsyncSource:
         if not self._stopped:
             self._stopped = True
             self.pool.stop()
+            if self.run.agent is not None:
+                self.run.agent.close()
 
     def failure(self) -> BaseException | None:
         if self._failure is None and self.state.error is not None:
@@ -209,7 +222,7 @@ class AsyncSource:
         st = self.state
         wall = max(time.perf_counter() - st.started, 1e-9)
         consumed = st.manager.consumed - st.start_consumed
-        return {"async": {
+        return {**(self.run.agent.summary() if self.run.agent is not None else {}), "async": {
             "pool": type(self.pool).__name__, "queue_rollouts": st.queue_rollouts,
             "staleness_bound_steps": st.manager.staleness_bound_steps,
             "rollouts_consumed": consumed, "wall_s": wall, "rollouts_per_s": consumed / wall,

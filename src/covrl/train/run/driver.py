@@ -165,8 +165,8 @@ def _record_failure(run: Run, failure: BaseException) -> None:
 def train_sync(run: Run, *, stop_after: int | None = None) -> dict[str, Any]:
     """The synchronous loop: generate with the run's sampler, then train on it (`run_loop` + `SyncSource`, or
     `DynamicSamplingSource` with `loop.dynamic_sampling`; episodes for a task with an environment; an agent
-    program's episodes with `task.agent.fn`: `AgentSource`)."""
-    if run.cfg.task.agent.fn:
+    program's episodes with `task.agent.fn` / `.command`: `AgentSource`)."""
+    if run.cfg.task.agent.enabled:
         from covrl.train.run.agent_source import AgentSource
 
         return run_loop(run, AgentSource(run), stop_after=stop_after)

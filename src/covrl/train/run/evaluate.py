@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -63,16 +64,19 @@ def _score_episodes(sampler, task, tokenizer, examples: list, gen: torch.Generat
 
 
 def evaluate(sampler, task, tokenizer, examples: list, *, seed: int, greedy: bool = True,
-             sampled: bool = True, pass_k: int | None = None, pass_samples: int | None = None) -> dict[str, Any]:
+             sampled: bool = True, pass_k: int | None = None, pass_samples: int | None = None,
+             agent: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
     """Accuracy on `examples` (the task's held-out prompts): greedy decoding and/or one sample per prompt at
     the sampler's temperature (its own generator seeded with `seed`, so evaluation never moves the training
     RNG). With `pass_k`: `pass_samples` (default k) samples per prompt at the sampler's temperature, graded, and
     out["pass@k"] = {k, n, "pass@k" (mean over prompts of the unbiased estimator), "pass@1", per-prompt correct
-    counts}. Settings are recorded with the results."""
+    counts}. Settings are recorded with the results. `agent` (task.agent): `agent(examples, generator, greedy, n)`
+    plays n episodes per prompt through the agent program and scores them (covrl.train.run.agent_source), in
+    place of the task's single-turn prompts."""
     if not examples:
         raise ValueError("evaluation needs held-out prompts: task.n_eval is 0 or the eval file is empty")
     env = getattr(task, "environment", None)
-    prompts = [task.encode(tokenizer, ex) for ex in examples] if env is None else []
+    prompts = [task.encode(tokenizer, ex) for ex in examples] if env is None and agent is None else []
     scfg = getattr(sampler, "cfg", None)
     out: dict[str, Any] = {"settings": {
         "n_prompts": len(examples),
@@ -87,6 +91,10 @@ def evaluate(sampler, task, tokenizer, examples: list, *, seed: int, greedy: boo
         modes.append(("sampled", False))
     for name, is_greedy in modes:
         gen = torch.Generator().manual_seed(int(seed))
+        if agent is not None:
+            out[name] = agent(examples, gen, is_greedy, 1)
+            out[name].pop("correct_counts", None)
+            continue
         if env is not None:
             out[name] = _score_episodes(sampler, task, tokenizer, examples, gen, is_greedy)
             continue
@@ -94,16 +102,22 @@ def evaluate(sampler, task, tokenizer, examples: list, *, seed: int, greedy: boo
         out[name] = _score(task, tokenizer, batch, examples)
     if pass_k:
         out["pass@k"] = _pass_at_k(sampler, task, tokenizer, prompts, examples, pass_k, pass_samples or pass_k,
-                                   seed=seed)
+                                   seed=seed, agent=agent)
     out["seconds"] = time.perf_counter() - t0
     return out
 
 
 
-def _pass_at_k(sampler, task, tokenizer, prompts, examples, k: int, n: int, *, seed: int) -> dict[str, Any]:
+def _pass_at_k(sampler, task, tokenizer, prompts, examples, k: int, n: int, *, seed: int,
+               agent: Callable[..., dict[str, Any]] | None = None) -> dict[str, Any]:
     if n < k:
         raise ValueError(f"pass@{k} needs at least {k} samples per prompt, got {n}")
     gen = torch.Generator().manual_seed(int(seed) + 1)   # not the sampled pass's stream
+    if agent is not None:
+        counts = agent(examples, gen, False, n)["correct_counts"]
+        m = max(len(examples), 1)
+        return {"k": k, "n": n, "pass@k": sum(pass_at_k(n, c, k) for c in counts) / m,
+                "pass@1": sum(c / n for c in counts) / m, "correct_counts": counts}
     batch = sampler.generate(prompts, n, generator=gen)
     texts = decode_responses(tokenizer, batch)
     scored = task.score(texts, [ex for ex in examples for _ in range(n)],

@@ -146,6 +146,7 @@ class Run:
     selector: PromptSelector | None = None   # which prompts of the stream a step trains on (selection)
     sizing: dict[str, Any] | None = None   # what the probe chose for the auto fields (sizing.json; None: no auto)
     length_adapter: Any = None   # sizing.adapt: grows an auto max_new_tokens while answers keep being cut
+    agent: Any = None   # task.agent: the AgentPlayer that plays episodes and evaluations (covrl.train.run.agent_source)
 
     # ------------------------------------------------------------------------------- checkpointer
     def register(self, name: str, part: Any) -> None:
@@ -182,7 +183,8 @@ class Run:
         t0 = time.perf_counter()
         result = evaluate(self.sampler, self.task, self.tokenizer, examples, seed=self.cfg.run.seed + 17,
                           greedy=ecfg.greedy, sampled=ecfg.sampled, pass_k=ecfg.pass_at_k,
-                          pass_samples=ecfg.pass_at_k_samples)
+                          pass_samples=ecfg.pass_at_k_samples,
+                          agent=self.agent.evaluate_episodes if self.agent is not None else None)
         self.add_time("eval", time.perf_counter() - t0)
         result.update({"label": label, "step": self.step, "rollouts": self.trainer.rollouts,
                        "policy_version": self.trainer.version})

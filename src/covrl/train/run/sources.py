@@ -135,9 +135,9 @@ def generate_batch(sampler, task, tokenizer, task_cfg, examples: list, n: int | 
             raise ValueError("adaptive group sizes take single-turn completions in the sync loop")
         prompts = [task.encode(tokenizer, ex) for ex, size in zip(examples, n) for _ in range(size)]
         return by_group_sizes(sampler.generate(prompts, 1, generator=generator, policy_version=version), list(n))
-    if getattr(getattr(task_cfg, "agent", None), "fn", None):   # the sync loop plays them (covrl.train.run.agent_source); the pools do not
-        raise ValueError("task.agent.fn: agent episodes run in the sync loop only (async_loop / Ray pools are not "
-                         "supported yet)")
+    if getattr(getattr(task_cfg, "agent", None), "enabled", False):   # the sync loop plays them (covrl.train.run.agent_source); the pools do not
+        raise ValueError("task.agent: agent episodes run in the sync loop or the async loop's thread / serial "
+                         "pool (process and Ray pools are not supported yet)")
     if getattr(task, "environment", None) is not None:
         if refresh is not None:
             raise ValueError("async_loop.partial_rollouts: multi-turn episodes (task.env) are generated turn by "
