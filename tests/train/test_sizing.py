@@ -27,6 +27,7 @@ from covrl.train.run.sizing import (
     choose_group_size,
     choose_max_new_tokens,
     decide,
+    pooled_prior,
     predicted_constant_fraction,
     prompt_constant_probability,
 )
@@ -39,15 +40,33 @@ AUTO = {"sampler.max_new_tokens": "auto", "loop.group_size": "auto", "loop.promp
 # ------------------------------------------------------------------------------------------ the rule
 
 
-def test_all_prompts_wrong_take_the_largest_group_and_warn():
+def test_all_prompts_wrong_take_the_smallest_group_and_warn():
+    """No probe sample correct: the pooled prior's mean is (0 + 1/2) / (64 + 1), so a prompt's posterior is
+    Beta(μ, 1 - μ + 4) and G = 16 leaves ~99% of the groups constant (each prompt under Jeffreys' prior alone
+    would predict 46% and take G = 16 without a warning); no G gives contrast, the smallest keeps the prompts."""
     groups = [[0.0] * 4 for _ in range(16)]
     g, predicted, warning = choose_group_size(groups, [4, 8, 16], budget=16, target=0.5)
-    # Beta(1/2, 9/2) posterior: E[(1-p)^G] + E[p^G] = prod_t (4.5 + t) / (5 + t) + prod_t (0.5 + t) / (5 + t)
-    assert predicted[4] == pytest.approx(math.prod((4.5 + t) / (5 + t) for t in range(4))
-                                         + math.prod((0.5 + t) / (5 + t) for t in range(4)))
-    assert predicted[4] > predicted[8] > 0.5 >= predicted[16] and g == 16 and warning is None
-    g, predicted, warning = choose_group_size(groups, [4, 8, 16], budget=8, target=0.5)
-    assert g == 8 and set(predicted) == {4, 8} and "no probe sample was correct" in warning
+    mu = 0.5 / 65
+    assert predicted[4] == pytest.approx(math.prod((1 - mu + 4 + t) / (5 + t) for t in range(4))
+                                         + math.prod((mu + t) / (5 + t) for t in range(4)))
+    assert predicted[4] > predicted[8] > predicted[16] > 0.98
+    assert g == 4 and "no probe sample was correct" in warning
+    g, predicted, warning = choose_group_size([[1.0] * 4] * 3, [4, 8, 16], budget=8, target=0.5)
+    assert g == 4 and set(predicted) == {4, 8} and "every probe sample was correct" in warning
+
+
+def test_the_prior_is_pooled_over_the_task_s_prompts():
+    assert pooled_prior([[1.0, 0.0]] * 8, (0.5, 0.5)) == pytest.approx((0.5, 0.5))   # a pooled rate of 1/2
+    assert pooled_prior([[1.0, 0.0, 0.0, 0.0]] * 4, (1.0, 3.0)) == pytest.approx((4 * 5 / 20, 4 * 15 / 20))
+    # one correct sample in 64: the prompt that had it is likely to contrast again, the other 15 are not; no G
+    # reaches 1/2 and the largest is taken with a warning (Jeffreys' prior per prompt predicted 43% at G = 16)
+    groups = [[0.0] * 4 for _ in range(15)] + [[1.0, 0.0, 0.0, 0.0]]
+    g, predicted, warning = choose_group_size(groups, [4, 8, 16], budget=16, target=0.5)
+    a, b = pooled_prior(groups, (0.5, 0.5))
+    by_hand = (15 * prompt_constant_probability([0.0] * 4, 16, (a, b), True)
+               + prompt_constant_probability([1.0, 0.0, 0.0, 0.0], 16, (a, b), True)) / 16
+    assert predicted[16] == pytest.approx(by_hand) and predicted[16] > 0.9
+    assert g == 16 and "even loop.group_size=16" in warning
 
 
 def test_half_right_prompts_take_groups_of_four():
@@ -147,6 +166,20 @@ def test_decide_fills_only_the_auto_fields():
                                               "loop.prompts_per_step": 8}
     typed = load_config(None, ["loop.group_size=8", "loop.prompts_per_step=auto"])
     assert decide(evidence, typed).resolved == {"loop.prompts_per_step": 2}
+
+
+def test_graded_rewards_without_a_correct_sample_are_sized_with_a_warning():
+    """Partial credit (a wrong answer of the right form scores 0.08): the groups have contrast, so G = 4 meets the
+    target, but no sample was correct by the grader, which the warning says; one correct sample silences it."""
+    rewards = [[0.08, 0.0, 0.08, 0.0]] * 16
+    cfg = load_config(None, ["loop.group_size=auto", "loop.prompts_per_step=auto"])
+    wrong = ProbeEvidence(lengths=[10] * 64, cap=128, rewards=rewards, correct=[[False] * 4] * 16)
+    decision = decide(wrong, cfg)
+    assert decision.resolved["loop.group_size"] == 4
+    assert len(decision.warnings) == 1 and "no probe sample was correct" in decision.warnings[0]
+    one = ProbeEvidence(lengths=[10] * 64, cap=128, rewards=[[1.0, 0.0, 0.08, 0.0]] + rewards[1:],
+                        correct=[[True, False, False, False]] + [[False] * 4] * 15)
+    assert decide(one, cfg).warnings == []
 
 
 # ---------------------------------------------------------------------------------------- the config

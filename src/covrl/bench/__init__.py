@@ -10,4 +10,5 @@ BENCHES: dict[str, str] = {
     "explore": "covrl.bench.explore_bench",
     "distributed": "covrl.bench.distributed_bench",
     "throughput": "covrl.bench.throughput_bench",
+    "tta": "covrl.bench.tta_bench",
 }

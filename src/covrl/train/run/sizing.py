@@ -9,12 +9,14 @@ settings, and a rule turns what it measured into numbers:
                     `length_headroom`, rounded up to a multiple of 8, within [8, cap]; the cap itself once more
                     than 1 - length_quantile of the samples are cut (a warning when `cut_warning` of them are)
     group_size      the smallest G of `group_sizes` (<= rollouts_per_step) whose predicted fraction of constant
-                    groups is <= `constant_target`, else the G that minimises it (a warning)
+                    groups is <= `constant_target`, else the G that minimises it (a warning); the smallest G
+                    (a warning) when no probe sample was correct, or every one was
     prompts_per_step  max(1, rollouts_per_step // group_size)
 
 The predicted fraction of constant groups of G is the posterior predictive probability that G new samples of a
-prompt all get the same reward, averaged over the probed prompts: binary rewards under a Beta(`prior`) on the
-prompt's pass rate, other rewards under a Dirichlet process with concentration sum(`prior`) over the rewards seen.
+prompt all get the same reward, averaged over the probed prompts: binary rewards under a Beta prior on the
+prompt's pass rate with `prior`'s strength and the task's pooled probe pass rate as its mean (`pooled_prior`),
+other rewards under a Dirichlet process with concentration sum(`prior`) over the rewards seen.
 
 The run folder keeps the evidence and the choices (`sizing.json`) and the resolved config (config.yaml, numbers
 only); `--resume` takes the numbers from sizing.json and never probes again. With `sizing.adapt`, an `auto`
@@ -49,7 +51,7 @@ if TYPE_CHECKING:   # the run's config composes this section: imported for types
 
 __all__ = ["AUTO", "AUTO_FIELDS", "LengthAdapter", "ProbeEvidence", "SizingConfig", "SizingDecision",
            "auto_fields", "check_sizable", "choose_group_size", "choose_max_new_tokens", "decide",
-           "predicted_constant_fraction", "prompt_constant_probability", "size_run"]
+           "pooled_prior", "predicted_constant_fraction", "probe_record", "prompt_constant_probability", "size_run"]
 
 AUTO = "auto"
 # the fields the probe can size: (section, field)
@@ -81,8 +83,9 @@ class SizingConfig(Section):
                                    "constant_target wins")
     constant_target: float = Field(0.5, gt=0.0, lt=1.0, description="the predicted fraction of constant groups "
                                    "(equal rewards, no gradient) a group size must reach")
-    prior: tuple[float, float] = Field((0.5, 0.5), description="Beta(a, b) prior of a prompt's pass rate "
-                                       "(binary rewards); other rewards: a Dirichlet process of concentration a + b")
+    prior: tuple[float, float] = Field((0.5, 0.5), description="Beta prior of a prompt's pass rate (binary "
+                                       "rewards): strength a + b, mean (S + a) / (N + a + b) over the probe's N "
+                                       "samples, S correct; other rewards: a Dirichlet process of concentration a + b")
     cut_warning: float = Field(0.5, gt=0.0, le=1.0, description="warn when this fraction of the probe's samples "
                                "reaches the probe's budget")
     adapt: bool = Field(True, description="raise an auto max_new_tokens while the run goes when steps keep "
@@ -142,31 +145,56 @@ def rewards_are_binary(groups: Sequence[Sequence[float]]) -> bool:
     return all(r in (0.0, 1.0) for g in groups for r in g)
 
 
+def pooled_prior(groups: Sequence[Sequence[float]], prior: tuple[float, float]) -> tuple[float, float]:
+    """The Beta prior of one prompt's pass rate (binary rewards): the strength a + b of `prior`, its mean the
+    task's pooled pass rate (S + a) / (N + a + b) over all N probe samples, S of them correct. The prompts are
+    drawn from one task: a prompt never solved where no other prompt was solved either is unlikely to be solved
+    (with `prior` itself, 16 prompts x 0 of 4 predict 46% constant groups of 16; pooled, 99%). At a pooled rate of
+    one half it is `prior`."""
+    n = sum(len(g) for g in groups)
+    if not n:
+        return prior
+    a, b = prior
+    mean = (sum(1 for g in groups for r in g if r >= 1.0) + a) / (n + a + b)
+    return (a + b) * mean, (a + b) * (1.0 - mean)
+
+
 def predicted_constant_fraction(groups: Sequence[Sequence[float]], group_size: int,
                                 prior: tuple[float, float] = (0.5, 0.5)) -> float:
     """The expected fraction of constant groups of `group_size` over the probed prompts (`groups`: each prompt's
-    probe rewards)."""
+    probe rewards); binary rewards under the pooled prior (`pooled_prior`)."""
     binary = rewards_are_binary(groups)
+    if binary:
+        prior = pooled_prior(groups, prior)
     return sum(prompt_constant_probability(g, group_size, prior, binary) for g in groups) / max(len(groups), 1)
 
 
 def choose_group_size(groups: Sequence[Sequence[float]], candidates: Sequence[int], budget: int, target: float,
                       prior: tuple[float, float] = (0.5, 0.5)) -> tuple[int, dict[int, float], str | None]:
     """(G, predicted constant fraction of each candidate <= budget, warning or None): the smallest candidate
-    whose prediction is <= target, else the one that minimises it (the largest on ties) with a warning."""
+    whose prediction is <= target, else the one that minimises it (the largest on ties) with a warning. Binary
+    rewards all wrong (or all right) in the probe: the smallest candidate with a warning, since at a pass rate p
+    near 0 a step of R rollouts has about R·p groups with contrast whatever G is, and a larger G only takes
+    prompts from the step."""
     allowed = [g for g in candidates if g <= budget] or [min(candidates)]
     predicted = {g: predicted_constant_fraction(groups, g, prior) for g in allowed}
+    binary = rewards_are_binary(groups)
+    why = ""
+    if binary and all(r < 1.0 for g in groups for r in g):
+        why = "no probe sample was correct"
+    elif binary and all(r >= 1.0 for g in groups for r in g):
+        why = "every probe sample was correct"
+    if why:
+        best = allowed[0]
+        return best, predicted, (f"{why}: no group size gives contrast (loop.group_size={best}, the smallest, keeps "
+                                 f"the most prompts per step; an expected {predicted[best]:.1%} of the groups "
+                                 "constant); an easier task, an SFT warm-up or a prompt that asks for the bare "
+                                 "answer would help")
     for g in allowed:
         if predicted[g] <= target:
             return g, predicted, None
     best = min(allowed, key=lambda g: (predicted[g], -g))
-    binary = rewards_are_binary(groups)
-    why = ""
-    if binary and all(r < 1.0 for g in groups for r in g):
-        why = "no probe sample was correct; "
-    elif binary and all(r >= 1.0 for g in groups for r in g):
-        why = "every probe sample was correct; "
-    return best, predicted, (f"{why}even loop.group_size={best} leaves an expected {predicted[best]:.0%} of the "
+    return best, predicted, (f"even loop.group_size={best} leaves an expected {predicted[best]:.0%} of the "
                              f"groups constant (target {target:.0%}): most steps will carry little gradient; an "
                              "easier task, an SFT warm-up or a larger sizing.rollouts_per_step would help")
 
@@ -214,6 +242,7 @@ class ProbeEvidence:
 
     def summary(self, quantile: float) -> dict[str, Any]:
         finished = [n for n in self.lengths if n < self.cap]
+        right = [n for n, ok in zip(self.lengths, (c for g in self.correct for c in g)) if ok and n < self.cap]
         pass_rates = [sum(c) / len(c) for c in self.correct]
         variances = [sum((r - sum(g) / len(g)) ** 2 for r in g) / len(g) for g in self.rewards]
         return {
@@ -222,6 +251,10 @@ class ProbeEvidence:
             "length_to_eos": ({"mean": sum(finished) / len(finished), "p50": nearest_rank(finished, 0.5),
                                f"p{round(100 * quantile)}": nearest_rank(finished, quantile), "max": max(finished)}
                               if finished else None),
+            # the lengths that earned a correct verdict: how much of the budget the answers that count need
+            "length_correct": ({"p50": nearest_rank(right, 0.5), f"p{round(100 * quantile)}":
+                                nearest_rank(right, quantile), "max": max(right), "samples": len(right)}
+                               if right else None),
             "pass_rate_mean": sum(pass_rates) / max(len(pass_rates), 1),
             "prompts_all_wrong": sum(1 for p in pass_rates if p == 0.0),
             "prompts_all_right": sum(1 for p in pass_rates if p == 1.0),
@@ -262,6 +295,11 @@ def decide(evidence: ProbeEvidence, cfg: TrainConfig) -> SizingDecision:
                                                       scfg.constant_target, scfg.prior)
         resolved["loop.group_size"] = group
         warnings += [warning] if warning else []
+        if not rewards_are_binary(evidence.rewards) and not any(c for g in evidence.correct for c in g):
+            # graded rewards vary between wrong answers of different forms: the prediction counts that contrast
+            warnings.append("no probe sample was correct (the task's grader): the groups' contrast is between "
+                            "partial-credit rewards of wrong answers, not between right and wrong; an SFT warm-up "
+                            "or a prompt that asks for the bare answer would help")
     else:
         predicted = {group: predicted_constant_fraction(evidence.rewards, group, scfg.prior)}
     if "loop.prompts_per_step" in auto:
@@ -365,6 +403,23 @@ def describe(record: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def probe_record(cfg: TrainConfig, c, build_sampler_fn) -> tuple[dict[str, Any], SizingDecision]:
+    """The probe and the rule, nothing written and nothing trained: (the sizing record as sizing.json holds it,
+    less the resolved config, and the decision). `c`: the run's components (build_components(cfg), after any SFT
+    warm-up). Studies call it to see what `auto` would choose without a run."""
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    evidence = _probe(cfg, c, build_sampler_fn)
+    decision = decide(evidence, cfg)
+    record = {"auto": auto_fields(cfg), "resolved": decision.resolved,
+              "evidence": evidence.summary(cfg.sizing.length_quantile),
+              "predicted_constant": {str(g): p for g, p in decision.predicted_constant.items()},
+              "warnings": decision.warnings, "time/probe_s": time.perf_counter() - t0,
+              "time/probe_cpu_s": time.process_time() - cpu0, "rule": cfg.sizing.model_dump(mode="json"),
+              # what the rule saw, sample by sample (prompt-major), so that another rule can be applied to it
+              "samples": {"lengths": evidence.lengths, "rewards": evidence.rewards, "correct": evidence.correct}}
+    return record, decision
+
+
 def size_run(cfg: TrainConfig, c, run_dir: Path, *, resumed: bool, build_sampler_fn,
              console: bool = True) -> tuple[TrainConfig, dict[str, Any] | None, float]:
     """(the resolved config, the sizing record or None, probe seconds). A config without `auto` comes back as it
@@ -387,16 +442,8 @@ def size_run(cfg: TrainConfig, c, run_dir: Path, *, resumed: bool, build_sampler
         resolved = {k: int(recorded[k]) for k in auto}
         record = {**record, "auto": auto}   # what this attempt resolved from the file (an adapter reads it)
     else:
-        t0 = time.perf_counter()
-        evidence = _probe(cfg, c, build_sampler_fn)
-        decision = decide(evidence, cfg)
-        probe_s = time.perf_counter() - t0
-        resolved = decision.resolved
-        record = {"auto": auto, "resolved": resolved,
-                  "evidence": evidence.summary(cfg.sizing.length_quantile),
-                  "predicted_constant": {str(g): p for g, p in decision.predicted_constant.items()},
-                  "warnings": decision.warnings, "time/probe_s": probe_s,
-                  "rule": cfg.sizing.model_dump(mode="json")}
+        record, decision = probe_record(cfg, c, build_sampler_fn)
+        resolved, probe_s = decision.resolved, record["time/probe_s"]
     out = resolve_config(cfg, resolved)
     if not resumed:
         record["config"] = {f"{s}.{f}": getattr(getattr(out, s), f) for s, f in AUTO_FIELDS}

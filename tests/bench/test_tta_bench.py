@@ -1,0 +1,100 @@
+"""`covrl bench tta`: the suite module (every task's overrides build a config, the shipped-free reverse_word data is
+written where asked) and the --quick run on the tiny model: the probe's sizes reach the TRL arms, every arm is
+trained to the same clock and evaluated before and at the budget, and the JSON, table and plot are written under
+the chosen folder. Timings are never asserted."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+import pytest
+
+from covrl.bench import BENCHES
+from covrl.bench.tta_suite import REVERSE_PATH, TASKS, materialise, reverse_records
+
+
+@pytest.fixture(scope="module")
+def cache_dir(tmp_path_factory) -> Path:
+    return tmp_path_factory.mktemp("bench-cache")
+
+
+def test_tta_is_registered():
+    assert BENCHES["tta"] == "covrl.bench.tta_bench"
+
+
+@pytest.mark.parametrize("name", list(TASKS))
+def test_every_suite_task_builds_a_default_config(name, tmp_path):
+    from covrl.bench.tta_bench import AUTO_SIZES
+    from covrl.config import load_preset
+
+    if TASKS[name].needs:
+        pytest.importorskip(TASKS[name].needs)
+    overrides = materialise(name, tmp_path)
+    assert REVERSE_PATH not in overrides.values()
+    cfg = load_preset("default", {**overrides, "sampler.max_new_tokens": TASKS[name].max_new_tokens})
+    assert cfg.sampler.max_new_tokens == TASKS[name].max_new_tokens
+    auto = load_preset("default", {**overrides, **AUTO_SIZES})   # single-turn: auto is accepted
+    assert auto.loop.group_size == "auto"
+
+
+def test_reverse_word_data_is_written_and_distinct(tmp_path):
+    path = Path(materialise("reverse_word", tmp_path)["task.path"])
+    rows = [json.loads(line) for line in path.read_text().splitlines()]
+    assert rows == reverse_records()
+    words = [r["answer"][::-1] for r in rows]
+    assert len(set(words)) == len(words) and all(w != w[::-1] for w in words)
+    with pytest.raises(ValueError, match="unknown suite task"):
+        materialise("calculator", tmp_path)
+
+
+def _run(out: Path, cache: Path, *extra: str) -> dict:
+    import importlib
+
+    module = importlib.import_module(BENCHES["tta"])
+    parser = argparse.ArgumentParser()
+    module.configure(parser)
+    args = parser.parse_args(["--quick", "--out", str(out), "--cache-dir", str(cache), *extra])
+    assert module.run(args) == 0
+    files = sorted(out.glob("*/*.json"))
+    assert len(files) == 1, files
+    assert files[0].with_suffix(".md").is_file() and files[0].with_suffix(".png").is_file()
+    payload = json.loads(files[0].read_text())
+    assert payload["headline"] in (out / "README.md").read_text()
+    return payload["results"]
+
+
+@pytest.mark.slow
+def test_tta_quick_runs_every_arm_to_the_same_clock(tmp_path, cache_dir):
+    pytest.importorskip("trl")
+    from covrl.bench.tta_bench import TRL_FIXED
+
+    res = _run(tmp_path, cache_dir)
+    (task,) = res["tasks"]
+    probe = task["probe"]["config"]
+    tokens = probe["sampler.max_new_tokens"]
+    assert task["eval_max_new_tokens"] == tokens
+    arms = task["arms"]
+    assert list(arms) == ["covrl", "trl", "trl_sized"]
+    assert arms["trl"]["shape"] == {"prompts": TRL_FIXED["n_prompts"], "group": TRL_FIXED["group_size"],
+                                    "max_new_tokens": tokens}
+    assert arms["trl_sized"]["shape"] == {"prompts": probe["loop.prompts_per_step"],
+                                          "group": probe["loop.group_size"], "max_new_tokens": tokens}
+    budget = res["settings"]["budget_s"]
+    for arm in arms.values():
+        assert arm["steps"] >= 1 and arm["train_clock_s"] >= budget
+        assert [e["train_clock_s"] for e in arm["evals"]][-1] >= budget   # evaluated at the budget
+        assert all(0.0 <= e["accuracy"] <= 1.0 for e in arm["evals"]) and len(arm["evals"]) >= 2
+
+
+@pytest.mark.slow
+def test_tta_quick_auto_sizes_covrl_from_its_probe(tmp_path, cache_dir):
+    """--auto: covrl's arm runs with the sizes its own probe chose (the same probe the bench ran first: same
+    seed, same weights) and its clock starts at the probe's seconds."""
+    res = _run(tmp_path, cache_dir, "--auto", "--arms", "covrl")
+    (task,) = res["tasks"]
+    shape, probe = task["arms"]["covrl"]["shape"], task["probe"]["config"]
+    assert (shape["prompts"], shape["group"], shape["max_new_tokens"]) == (
+        probe["loop.prompts_per_step"], probe["loop.group_size"], probe["sampler.max_new_tokens"])
+    assert task["arms"]["covrl"]["evals"][0]["train_clock_s"] == shape["probe_s"] > 0
