@@ -6,7 +6,8 @@ non-number or makes no call is shown, counted by the user-code rule and trains n
 with a toy agent end to end. On the tiny model (no chat template) a two-call tool agent merges into one row with
 exact masks and exact ratios; held-out evaluation plays the agent (greedy = the sampler's greedy decoding);
 command agents (task.agent.command) report a reward or fail visibly; the threaded async loop trains an agent with
-each token's call version in the staleness ledger."""
+each token's call version in the staleness ledger; agent rows train the same packed or padded; at sampler.top_k
+they carry the kept-set sizes and the replayed ratios are exact; a step waiting on slow episodes says so."""
 
 from __future__ import annotations
 
@@ -542,3 +543,142 @@ def test_threaded_async_loop_trains_an_agent_within_the_staleness_bound(tmp_path
     evals = read_jsonl_evals(tmp_path / "agent-async" / "eval.json")
     assert [e["label"] for e in evals] == ["after"] and evals[0]["greedy"]["agent_calls"] == 1.0
     assert run.agent.server is None     # the endpoint is closed at the end
+
+
+def _packing_step(cfg, batch):
+    from covrl.models import tiny_llama
+
+    model = tiny_llama(40, hidden_size=32, num_layers=2, num_heads=2, intermediate_size=64, max_positions=48, seed=0)
+    trainer = Trainer(model, cfg)
+    captured = []
+    trainer.optimizer.step = lambda *a, **k: captured.append([p.grad.detach().clone() for p in trainer.params])
+    result = trainer.step(batch)
+    return captured[0], result.metrics
+
+
+@pytest.mark.parametrize("top_k", [0, 8])
+def test_agent_rows_train_the_same_packed_or_padded(top_k):
+    """Merged multi-call rows (context tokens inside the response, out of the loss) and a rewritten-history row,
+    built by `agent_batch` from hand-made calls: a trainer.packing=true step equals the padded one (gradients
+    and every metric to 1e-5 in fp32, as tests/train/test_packing.py checks ordinary rows); with top_k the rows
+    carry each call's kept-set sizes and the step replays them (trainer.truncation=replay) the same both ways."""
+    from types import SimpleNamespace
+
+    from train_helpers import TIME_KEYS, TIME_PREFIXES
+
+    g = torch.Generator().manual_seed(0)
+
+    def ids(lo, hi):
+        return torch.randint(1, 40, (int(torch.randint(lo, hi + 1, (1,), generator=g)),), generator=g).tolist()
+
+    def call(prompt, completion, version=0):
+        logq = (-3.7 + 0.3 * torch.randn(len(completion), generator=g)).tolist()
+        return AgentCall(prompt, completion, logq, "stop", version, "", [top_k] * len(completion) if top_k else None)
+
+    episodes = []
+    for example in range(3):
+        prompt = ids(3, 6)
+        for j in range(3):
+            first, gap, second = ids(2, 5), ids(1, 3), ids(1, 4)
+            calls = [call(prompt, first), call(prompt + first + gap, second)]
+            if j == 2:   # a rewritten history: a second row of the episode
+                calls.append(call(prompt + ids(1, 2), ids(1, 3)))
+            episodes.append(AgentEpisode(example, calls, reward=float(torch.rand(1, generator=g))))
+    batch, owner = agent_batch(episodes, SimpleNamespace(version=0, pad_id=0), None, policy_version=0)
+    assert len(owner) == 12 and (batch.response_mask - batch.loss_mask).sum() > 0    # context inside responses
+    assert (batch.sampler_kept is not None) == bool(top_k)
+    if top_k:   # the kept sizes sit on the sampled tokens only
+        assert torch.equal(batch.sampler_kept > 0, batch.loss_mask > 0)
+    scored = batch.scored(torch.tensor([episodes[k].reward for k in owner]))
+    over = {"logging.noise_scale": False, "optim.micro_batch_size": 64, "sampler.top_k": top_k}
+    if top_k:
+        over["trainer.truncation"] = "replay"
+    cfg = tiny_cfg(**over)
+    packed = cfg.model_copy(update={"trainer": cfg.trainer.model_copy(update={"packing": True})})
+    (ga, ma), (gb, mb) = _packing_step(cfg, scored), _packing_step(packed, scored)
+    for a, b in zip(ga, gb):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4), float((a - b).abs().max())
+    keys = [k for k in ma if not k.startswith(TIME_PREFIXES) and k not in TIME_KEYS]
+    assert set(keys) <= set(mb) and ma["grad_norm"] > 0
+    if top_k:
+        assert ma["truncation/replay"] == 1.0 and "truncation/count_mismatch_frac" in ma
+    for k in keys:
+        assert ma[k] == pytest.approx(mb[k], rel=1e-4, abs=1e-5), (k, ma[k], mb[k])
+
+
+def test_agent_rows_at_top_k_carry_the_kept_sets_and_replay_makes_the_ratios_exact(tmp_path):
+    """sampler.top_k=5: the endpoint records each call's kept-set sizes, the merged rows carry them (0 on the
+    context between calls), and the trainer's fp32 forward with trainer.truncation=replay reproduces the
+    recorded log q of the truncated sampler (the mismatch k3 at the fp32 floor, docs/theory.md §12); without
+    the replay the ratios are those of the untruncated π, far from 1."""
+    from covrl.train.step.micro_step import truncation_replay
+
+    (tmp_path / "tool_agent.py").write_text(TOOL_AGENT)
+    cfg = tiny_cfg(tmp_path, **{"run.name": "topk", "task.agent.fn": f"{tmp_path / 'tool_agent.py'}:run",
+                                "model.tiny.max_positions": 96, "sampler.max_new_tokens": 6, "sft_warmup.steps": 0,
+                                "sampler.top_k": 5, "trainer.truncation": "replay"})
+    run = prepare_run(cfg, console=False)
+    source = AgentSource(run)
+    source.player._endpoint().version = lambda: 0
+    try:
+        episodes = source.player.runner.run(run.task.eval[:6], 2)
+    finally:
+        source.stop()
+    assert [ep.error for ep in episodes] == [None] * 12
+    for ep in episodes:
+        for c in ep.calls:
+            assert c.kept is not None and len(c.kept) == len(c.completion_ids) and min(c.kept) >= 5
+    batch, owner = agent_batch(episodes, run.sampler, run.tokenizer, policy_version=0)
+    mask = batch.train_mask > 0
+    assert batch.sampler_kept is not None and torch.equal(batch.sampler_kept > 0, mask)
+    assert (batch.response_mask - batch.train_mask).sum() > 0     # some rows merged two calls
+    rule, replay = truncation_replay(run.cfg.sampler, run.cfg.trainer.truncation)
+    assert rule is not None and replay
+    temperature = float(run.cfg.sampler.temperature)
+    fwd = forward_batch(run.model, batch, temperature, with_stats=False, truncation=rule, replay=True)
+    log_r = fwd.logprobs[mask] - batch.sampler_logprobs[mask]
+    k3 = torch.expm1(log_r) - log_r
+    assert log_r.abs().max() < 1e-4 and k3.mean() < 1e-9
+    assert not fwd.truncation.count_mismatch[mask].any() and not fwd.truncation.sampled_outside[mask].any()
+    full = forward_batch(run.model, batch, temperature, with_stats=False)
+    assert (full.logprobs[mask] - batch.sampler_logprobs[mask]).abs().max() > 1e-2
+    run.close()
+
+
+SLOW_AGENT = '''
+import asyncio
+
+import openai
+
+
+async def run(base_url, api_key, example):
+    await asyncio.sleep(0.8)
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model="covrl", messages=[{"role": "user", "content": example.prompt}])
+    return 1.0
+'''
+
+
+def test_a_step_waiting_on_slow_agent_episodes_says_so(tmp_path, capsys):
+    """run.stall_warning_s below an episode's length: the run's stall report names the agent episodes it waits
+    for (running of those asked, finished, queued behind task.agent.concurrency, the oldest one's age), and the
+    run completes."""
+    (tmp_path / "slow_agent.py").write_text(SLOW_AGENT)
+    cfg = tiny_cfg(tmp_path, **{"run.name": "slow", "task.agent.fn": f"{tmp_path / 'slow_agent.py'}:run",
+                                "task.agent.concurrency": 2, "loop.prompts_per_step": 2, "loop.group_size": 2,
+                                "loop.steps": 1, "sft_warmup.steps": 0, "eval.before": False, "eval.after": False,
+                                "run.stall_warning_s": 0.3})
+    run = prepare_run(cfg, console=False)
+    try:
+        summary = train_sync(run)
+    finally:
+        run.close()
+    err = capsys.readouterr().err
+    assert summary["status"] == "completed"
+    assert "waiting for the step's rollouts (step 1)" in err
+    found = re.findall(r"waiting for agent episodes: (\d) of 4 running, (\d) finished, (\d) queued "
+                       r"\(task.agent.concurrency=2\), oldest (\d+) s", err)
+    assert found, err
+    for running, finished, queued, _ in found:
+        assert 1 <= int(running) <= 2 and int(running) + int(finished) + int(queued) == 4
+    assert "slow_agent.py:run" in err

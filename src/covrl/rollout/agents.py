@@ -10,7 +10,8 @@ passes the deadline, returns something that is not a finite number or None, or m
 Rows (`episode_rows`): the calls in the order they completed. A call whose prompt ids begin with an earlier
 row's whole sequence (its prompt, then every token after it) extends that row, the longest such: the tokens in
 between (tool results, user turns, the template's separators) join the row as context (loss_mask 0, log q 0),
-then the call's sampled tokens (loss_mask 1, their log q). A call that extends no row (the chat template
+then the call's sampled tokens (loss_mask 1, their log q; with a truncating sampler, each one's kept-set size
+for the trainer's replay, 0 on the context tokens). A call that extends no row (the chat template
 rewrote the history: dropped an earlier <think> block, re-formatted a tool call; a retry; another of n choices)
 starts a new row. Every row of an episode gets the episode's reward; rows of one example share a group."""
 
@@ -38,7 +39,8 @@ __all__ = ["AgentEpisode", "AgentRunner", "Row", "agent_batch", "episode_rows"]
 class Row:
     """One training row: `prompt` (the first call's prompt ids), then `tokens` with `model` (1 = sampled) and
     `logq` (log q of sampled tokens, 0 elsewhere); `versions`: the policy version of each call merged in;
-    `token_versions`: per token of `tokens`, the version of the call that added it (None: not recorded)."""
+    `token_versions`: per token of `tokens`, the version of the call that added it (None: not recorded);
+    `kept`: per token, a truncating sampler's kept-set size (0 on context tokens), None where a call has none."""
 
     prompt: list[int]
     tokens: list[int] = field(default_factory=list)
@@ -46,6 +48,7 @@ class Row:
     logq: list[float] = field(default_factory=list)
     versions: list[int] = field(default_factory=list)
     token_versions: list[int | None] = field(default_factory=list)
+    kept: list[int] | None = field(default_factory=list)
 
     @property
     def sequence(self) -> list[int]:
@@ -71,6 +74,10 @@ def episode_rows(calls: list[AgentCall]) -> list[Row]:
         best.model += [0] * len(gap) + [1] * len(call.completion_ids)
         best.logq += [0.0] * len(gap) + [float(x) for x in call.logprobs]
         best.token_versions += [call.policy_version] * (len(gap) + len(call.completion_ids))
+        if best.kept is not None and call.kept is not None:
+            best.kept += [0] * len(gap) + [int(k) for k in call.kept]
+        else:
+            best.kept = None
         if call.policy_version is not None:
             best.versions.append(int(call.policy_version))
     return rows
@@ -119,6 +126,22 @@ class AgentRunner:
         self.server, self.fn = server, fn
         self.concurrency, self.timeout_s = int(concurrency), float(timeout_s)
         self._loop: asyncio.AbstractEventLoop | None = None
+        # what `run` is doing now, for the run's stall report (read from the watchdog's thread)
+        self._lock = threading.Lock()
+        self._running: dict[int, float] = {}    # episode (job index) -> its start (time.monotonic)
+        self._total = self._finished = 0
+
+    def progress(self) -> str:
+        """What the current (or last) `run` waits for: episodes running of those asked, the oldest one's age."""
+        with self._lock:
+            running, total, finished = list(self._running.values()), self._total, self._finished
+        if not total:
+            return "no agent episodes asked yet"
+        text = (f"waiting for agent episodes: {len(running)} of {total} running, {finished} finished, "
+                f"{total - finished - len(running)} queued (task.agent.concurrency={self.concurrency})")
+        if running:
+            text += f", oldest {time.monotonic() - min(running):.0f} s (task.agent.timeout_s={self.timeout_s:g})"
+        return text
 
     def _event_loop(self) -> asyncio.AbstractEventLoop:
         if self._loop is None:
@@ -126,32 +149,43 @@ class AgentRunner:
             threading.Thread(target=self._loop.run_forever, name="covrl-agents", daemon=True).start()
         return self._loop
 
-    async def _one(self, index: int, example, gate: asyncio.Semaphore, out: list) -> None:
+    async def _one(self, index: int, example, gate: asyncio.Semaphore, out: list, board: dict) -> None:
         async with gate:
-            episode = uuid.uuid4().hex
-            log: CallLog = self.server.calls
-            log.open(episode)
-            t0 = time.perf_counter()
-            reward, error = None, None
+            with self._lock:
+                board[index] = time.monotonic()
             try:
-                if inspect.iscoroutinefunction(self.fn):
-                    job = self.fn(self.server.base_url, episode_api_key(episode), example)
-                else:
-                    job = asyncio.to_thread(self.fn, self.server.base_url, episode_api_key(episode), example)
-                value = await asyncio.wait_for(job, self.timeout_s)
-                reward = _reward(value)
-            except TimeoutError as err:   # the deadline's, or one the program raised itself
-                late = time.perf_counter() - t0 >= self.timeout_s
-                error = TimeoutError(f"the agent's episode passed task.agent.timeout_s={self.timeout_s:g}") if late \
-                    else err
-            except Exception as err:  # noqa: BLE001 - the program's failure is counted, the run goes on
-                error = err
-            calls = log.close(episode)   # later calls of this episode (an abandoned thread) are refused
-            if error is None and not calls:
-                error = RuntimeError("the agent made no model call (it must call the endpoint at base_url with "
-                                     "api_key, e.g. openai.AsyncOpenAI(base_url=base_url, api_key=api_key))")
-            out[index] = AgentEpisode(index, calls, reward if error is None else None, error,
-                                      time.perf_counter() - t0)
+                await self._play(index, example, out)
+            finally:
+                with self._lock:
+                    board.pop(index, None)
+                    if board is self._running:   # not a late episode of an abandoned run
+                        self._finished += 1
+
+    async def _play(self, index: int, example, out: list) -> None:
+        episode = uuid.uuid4().hex
+        log: CallLog = self.server.calls
+        log.open(episode)
+        t0 = time.perf_counter()
+        reward, error = None, None
+        try:
+            if inspect.iscoroutinefunction(self.fn):
+                job = self.fn(self.server.base_url, episode_api_key(episode), example)
+            else:
+                job = asyncio.to_thread(self.fn, self.server.base_url, episode_api_key(episode), example)
+            value = await asyncio.wait_for(job, self.timeout_s)
+            reward = _reward(value)
+        except TimeoutError as err:   # the deadline's, or one the program raised itself
+            late = time.perf_counter() - t0 >= self.timeout_s
+            error = TimeoutError(f"the agent's episode passed task.agent.timeout_s={self.timeout_s:g}") if late \
+                else err
+        except Exception as err:  # noqa: BLE001 - the program's failure is counted, the run goes on
+            error = err
+        calls = log.close(episode)   # later calls of this episode (an abandoned thread) are refused
+        if error is None and not calls:
+            error = RuntimeError("the agent made no model call (it must call the endpoint at base_url with "
+                                 "api_key, e.g. openai.AsyncOpenAI(base_url=base_url, api_key=api_key))")
+        out[index] = AgentEpisode(index, calls, reward if error is None else None, error,
+                                  time.perf_counter() - t0)
 
     def run(self, examples: list, n: int | list[int]) -> list[AgentEpisode]:
         """n episodes per example (n[i] for example i), example-major; `AgentEpisode.example` is the index of
@@ -159,10 +193,13 @@ class AgentRunner:
         sizes = [n] * len(examples) if isinstance(n, int) else list(n)
         jobs = [(i, ex) for i, (ex, size) in enumerate(zip(examples, sizes)) for _ in range(size)]
         out: list[AgentEpisode | None] = [None] * len(jobs)
+        board: dict[int, float] = {}
+        with self._lock:
+            self._running, self._total, self._finished = board, len(jobs), 0
 
         async def play():
             gate = asyncio.Semaphore(self.concurrency)
-            await asyncio.gather(*(self._one(k, ex, gate, out) for k, (_, ex) in enumerate(jobs)))
+            await asyncio.gather(*(self._one(k, ex, gate, out, board) for k, (_, ex) in enumerate(jobs)))
 
         # a program that blocks the event loop (a synchronous sleep / HTTP call inside `async def`) defeats the
         # per-episode deadline: the batch's own deadline catches it, and that loop is abandoned
@@ -203,6 +240,7 @@ def agent_batch(episodes: list[AgentEpisode], sampler, tokenizer, *, policy_vers
     groups: list[int] = []
     versions: list[int] = []
     per_token: list[list[int]] = []
+    kept: list[list[int] | None] = []
     fallback = sampler.version if policy_version is None else int(policy_version)
     for k, ep in enumerate(episodes):
         if ep.error is not None:
@@ -213,6 +251,7 @@ def agent_batch(episodes: list[AgentEpisode], sampler, tokenizer, *, policy_vers
             groups.append(ep.example)
             versions.append(min(row.versions) if row.versions else fallback)
             per_token.append([fallback if v is None else int(v) for v in row.token_versions])
+            kept.append(row.kept)
     if not rows:
         rows = [Episode(prompt=[_pad_id(sampler, tokenizer)], tokens=[], model=[], logq=[])]
         owner, groups, versions, per_token = [-1], [0], [fallback], [[]]
@@ -220,6 +259,12 @@ def agent_batch(episodes: list[AgentEpisode], sampler, tokenizer, *, policy_vers
     token_versions = torch.tensor(versions, dtype=torch.long)[:, None].repeat(1, batch.response_ids.shape[1])
     for i, row_versions in enumerate(per_token):
         token_versions[i, :len(row_versions)] = torch.tensor(row_versions, dtype=torch.long)
+    sampler_kept = None
+    if kept and all(k is not None for k in kept):   # a truncating sampler recorded every call's kept sets
+        sampler_kept = torch.zeros(batch.response_ids.shape, dtype=torch.long)
+        for i, row_kept in enumerate(kept):
+            sampler_kept[i, :len(row_kept)] = torch.tensor(row_kept, dtype=torch.long)
     batch = replace(batch, group_ids=torch.tensor(groups, dtype=torch.long),
-                    policy_version=torch.tensor(versions, dtype=torch.long), token_versions=token_versions)
+                    policy_version=torch.tensor(versions, dtype=torch.long), token_versions=token_versions,
+                    sampler_kept=sampler_kept)
     return batch, owner

@@ -12,7 +12,8 @@ the policy version being trained) and records, per call, the token ids the model
 Episodes. The client names its episode with its API key: `api_key="ep-<id>"` (sent as `Authorization: Bearer
 ep-<id>`, so any OpenAI client works unchanged), or with the header `X-Covrl-Episode: <id>`. Each call of an
 episode is recorded as an `AgentCall`: the prompt token ids exactly as the template produced them, the sampled
-ids, their log q under the sampler, the finish reason and the policy version. With `strict=True` (training) only
+ids, their log q under the sampler, the finish reason, the policy version and, with a truncating sampler
+(top-k / top-p / min-p), the size of the kept set each token was drawn from (the trainer's replay). With `strict=True` (training) only
 episodes opened with `calls.open(id)` are served (401 otherwise: a late call of an abandoned episode records
 nothing).
 
@@ -98,6 +99,7 @@ class AgentCall:
     finish_reason: str          # stop | length | tool_calls
     policy_version: int | None
     text: str                   # the returned content (tool-call blocks cut out)
+    kept: list[int] | None = None   # a truncating sampler's kept-set size per sampled token (trainer.truncation)
 
 
 @dataclass
@@ -306,6 +308,7 @@ class OpenAIServer(GenerateServer):
             content = choice["logprobs"]["content"]
             lps = [float(c["logprob"]) for c in content]
             top = [c.get("top_logprobs") for c in content]
+            kept = item.kept
             if len(ids) > max_tokens:
                 ids, lps, top, finish = ids[:max_tokens], lps[:max_tokens], top[:max_tokens], "length"
             text = self.tokenizer.decode(ids, skip_special_tokens=True)
@@ -316,7 +319,8 @@ class OpenAIServer(GenerateServer):
                     ids, lps, top, finish, text = ids[:k + 1], lps[:k + 1], top[:k + 1], "stop", upto[:hit]
                     break
             out.append({"ids": ids, "logprobs": lps, "top": top, "finish": finish, "text": text,
-                        "version": item.result.get("policy_version")})
+                        "version": item.result.get("policy_version"),
+                        "kept": None if kept is None else kept[:len(ids)]})
         return out
 
     def _logprobs(self, sample: dict, top_n: int) -> dict:
@@ -344,8 +348,8 @@ class OpenAIServer(GenerateServer):
         return top_n
 
     def _record(self, episode: str | None, prompt: list[int], samples: list[dict], finishes: list[str]) -> None:
-        self.calls.record(episode, [AgentCall(list(prompt), s["ids"], s["logprobs"], f, s["version"], s["text"])
-                                    for s, f in zip(samples, finishes)])
+        self.calls.record(episode, [AgentCall(list(prompt), s["ids"], s["logprobs"], f, s["version"], s["text"],
+                                              s["kept"]) for s, f in zip(samples, finishes)])
 
     def chat(self, body: dict, episode: str | None = None) -> dict:
         """The answer to a /v1/chat/completions request (recorded under `episode`)."""

@@ -60,6 +60,7 @@ class _Pending:
     done: threading.Event = field(default_factory=threading.Event)
     result: dict | None = None
     error: BaseException | None = None
+    kept: list[int] | None = None   # the sampler's kept-set size per token (a truncating sampler; agents' rows)
 
 
 class GenerateServer:
@@ -179,6 +180,8 @@ class GenerateServer:
                 if cut is not None:
                     ids, lps = ids[:cut + 1], lps[:cut + 1]
                 finish = "stop" if (ids and (ids[-1] in eos or ids[-1] in item.stop_ids)) else "length"
+                if out.sampler_kept is not None:
+                    item.kept = out.sampler_kept[j, :len(ids)].tolist()
                 content = [{"token": f"token_id:{t}", "logprob": float(lp)} for t, lp in zip(ids, lps)]
                 if out.sampler_topk_ids is not None:   # sampler.return_topk: OpenAI's top_logprobs per token
                     top_ids, top_lps = out.sampler_topk_ids[j].tolist(), out.sampler_topk_logprobs[j].tolist()

@@ -204,6 +204,8 @@ class AsyncSource:
                     f"{getattr(self.run.sampler, 'version', '?')}, trainer at {self.run.trainer.version}")
         if st.error is not None:
             text += f"; a sampler worker failed: {st.error!r}"
+        if self.run.agent is not None:   # task.agent: the sampler thread plays episodes through the endpoint
+            text += f"; {self.run.agent.waiting_for()}"
         return text
 
     def stop(self) -> None:

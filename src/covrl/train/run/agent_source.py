@@ -187,6 +187,10 @@ class AgentPlayer:
                          for i, k in list(finals.items())[:5]],
         }
 
+    def waiting_for(self) -> str:
+        """The episodes being played now (the run's stall report): running / asked, the oldest one's age."""
+        return self.runner.progress() if self.runner is not None else "the agent's endpoint is not open"
+
     def close(self) -> None:
         if self.runner is not None:
             self.runner.close()
@@ -218,9 +222,7 @@ class AgentSource(SyncSource):
         self.stopped = False     # after the loop: an evaluation opens the endpoint for itself, then closes it
 
     def waiting_for(self) -> str:
-        cfg = self.run.cfg
-        return (f"{cfg.loop.rollouts_per_step} episodes of the agent {cfg.task.agent.spec} (up to "
-                f"task.agent.timeout_s={cfg.task.agent.timeout_s:g} s each, {cfg.task.agent.concurrency} at once)")
+        return f"{self.player.waiting_for()}; the agent: {self.run.cfg.task.agent.spec}"
 
     def next_batch(self, trainer_version: int) -> SourceBatch:
         run = self.run
