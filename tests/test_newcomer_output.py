@@ -160,6 +160,7 @@ def test_a_piped_run_prints_a_bounded_number_of_step_lines(tmp_path):
     assert "Traceback" not in done.stderr and "it/s]" not in done.stderr
 
 
+@pytest.mark.slow   # a long end-to-end run: make test-slow (the default suite stays near 10 minutes)
 @pytest.mark.ray
 def test_a_ray_trainer_actor_run_ends_with_its_summary_on_the_drivers_screen(tmp_path):
     """The trainer side in a Ray actor: its last lines can be lost as Ray shuts down, so the driver prints the

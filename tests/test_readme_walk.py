@@ -115,6 +115,7 @@ def test_the_reward_snippet_runs_as_printed():
     assert scope["last_int"]("no digits", SimpleNamespace(answer=56)) == 0.0
 
 
+@pytest.mark.slow   # a long end-to-end run: make test-slow (the default suite stays near 10 minutes)
 def test_every_readme_command_runs_on_the_tiny_model_and_leaves_the_checkout_clean(checkout):
     env = {**os.environ, "PATH": f"{BIN}{os.pathsep}{os.environ['PATH']}", "COVRL_SKIP_VLLM": "1"}
     env.pop("COVRL_DEBUG", None)

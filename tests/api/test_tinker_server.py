@@ -247,6 +247,7 @@ def run_killed_after_checkpoint(command, log_path: Path, env, timeout_s=240) -> 
     proc.wait()
 
 
+@pytest.mark.slow   # a long end-to-end run: make test-slow (the default suite stays near 10 minutes)
 @pytest.mark.parametrize("recipe", ["sl_loop", "rl_loop"])
 def test_cookbook_recipe_runs_and_resumes_after_a_kill_against_covrl_serve(tmp_path, recipe):
     pytest.importorskip("tinker_cookbook", reason="tinker-cookbook is not installed (make setup installs it)")

@@ -180,6 +180,7 @@ def test_tool_environment_results_are_environment_tokens():
         assert all(lq == -0.5 for lq, m in zip(ep.logq, ep.model) if m == 1)
 
 
+@pytest.mark.slow   # a long end-to-end run: make test-slow (the default suite stays near 10 minutes)
 def test_a_verifiers_environment_trains_end_to_end(tmp_path):
     cfg = _cfg(tmp_path, "vf_toy_sum", **{"run.name": "train", "loop.steps": 2, "loop.prompts_per_step": 2,
                                           "loop.group_size": 2, "eval.max_prompts": 2, "eval.before": False})

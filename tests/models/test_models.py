@@ -77,6 +77,7 @@ def test_hf_folder_roundtrip(tmp_path):
     assert tok2.decode(tok2("1+2=", add_special_tokens=False)["input_ids"]) == "1+2="
 
 
+@pytest.mark.slow   # a long end-to-end run: make test-slow (the default suite stays near 10 minutes)
 def test_smollm2_loads_generates_and_saves(tmp_path):
     """The default model: GGUF dequantised, greedy tokens through our sampler, save_pretrained works."""
     pytest.importorskip("gguf")
