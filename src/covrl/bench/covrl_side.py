@@ -50,6 +50,24 @@ def make_covrl_stepper(runner: ArmRunner):
     return step
 
 
+def serve_steps(conn, stepper, clock: Clock, max_steps: int | None = None) -> dict:
+    """Answer the parent's 'go's with one step record each (memory, threads and the clock's evaluations added)
+    until the clock says finished or `max_steps` ran; returns the last record."""
+    record: dict = {}
+    while max_steps is None or max_steps > 0:
+        if conn.recv() != "go":
+            raise RuntimeError("covrl worker expected 'go'")
+        record = stepper()
+        record.update(rss_peak_mb=rss_peak_mb(), threads=torch.get_num_threads())
+        record.update(clock.after_step(record["step_time"]))
+        conn.send(record)
+        if record["finished"]:
+            break
+        if max_steps is not None:
+            max_steps -= 1
+    return record
+
+
 def covrl_worker(conn, settings: StepSettings) -> None:
     """Child process: covrl's sampler + Trainer, one step per 'go' from the parent."""
     warnings.filterwarnings("ignore", category=FutureWarning)
@@ -75,15 +93,7 @@ def covrl_worker(conn, settings: StepSettings) -> None:
     ready["rss_peak_mb"] = rss_peak_mb()
     conn.send(ready)
     try:
-        for _ in range(total):
-            if conn.recv() != "go":
-                raise RuntimeError("covrl worker expected 'go'")
-            record = stepper()
-            record.update(rss_peak_mb=rss_peak_mb(), threads=torch.get_num_threads())
-            record.update(clock.after_step(record["step_time"]))
-            conn.send(record)
-            if record["finished"]:
-                break
+        serve_steps(conn, stepper, clock, total)
     finally:
         runner.close()
         shutil.rmtree(run.run_dir, ignore_errors=True)

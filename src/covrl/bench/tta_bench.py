@@ -117,7 +117,7 @@ def covrl_tta_worker(conn, cfg, settings: StepSettings) -> None:
     import torch
 
     from covrl.bench.clock import Clock, make_evaluator
-    from covrl.bench.covrl_side import make_covrl_stepper
+    from covrl.bench.covrl_side import make_covrl_stepper, serve_steps
     from covrl.experiment import Arm, ArmRunner
 
     torch.set_num_threads(settings.threads)
@@ -134,15 +134,7 @@ def covrl_tta_worker(conn, cfg, settings: StepSettings) -> None:
                  "max_new_tokens": run.cfg.sampler.max_new_tokens}
         conn.send({"ready": True, "accuracy_before": clock.evaluate()["accuracy"], "probe_s": probe_s,
                    "sizes": sizes, "rss_peak_mb": rss_peak_mb()})
-        while True:
-            if conn.recv() != "go":
-                raise RuntimeError("covrl worker expected 'go'")
-            record = stepper()
-            record["rss_peak_mb"] = rss_peak_mb()
-            record.update(clock.after_step(record["step_time"]))
-            conn.send(record)
-            if record["finished"]:
-                break
+        serve_steps(conn, stepper, clock)
     finally:
         runner.close()
         shutil.rmtree(run_dir, ignore_errors=True)
@@ -171,7 +163,7 @@ def _entry(kind: str, conn, *payload) -> None:
 def run_arms(specs: dict[str, tuple], timeout_s: float = 3600.0, progress=None) -> dict[str, Any]:
     """Start one worker per arm (`specs`: arm -> (kind, *payload)) and step them in turn, the order rotated every
     round, until each reports `finished`. Returns each arm's ready message and step records."""
-    from covrl.bench.alternate import _recv
+    from covrl.bench.alternate import _recv, join_workers
 
     ctx = mp.get_context("spawn")
     procs, conns = {}, {}
@@ -200,10 +192,7 @@ def run_arms(specs: dict[str, tuple], timeout_s: float = 3600.0, progress=None) 
                     active.remove(arm)
             rnd += 1
     finally:
-        for proc in procs.values():
-            proc.join(timeout=30)
-            if proc.is_alive():
-                proc.terminate()
+        join_workers(procs)
     return {"ready": ready, "records": records}
 
 

@@ -4,7 +4,7 @@ Names are resolved lazily so that importing one diagnostic does not import them 
 
 from __future__ import annotations
 
-import importlib
+from covrl._lazy import lazy_exports
 
 _EXPORTS = {
     "update_spectrum": "covrl.diagnostics.spectrum",
@@ -22,7 +22,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'covrl.diagnostics' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

@@ -5,7 +5,7 @@ Names are resolved lazily so that `covrl bandit --help` (covrl.explore.cli) does
 
 from __future__ import annotations
 
-import importlib
+from covrl._lazy import lazy_exports
 
 _EXPORTS = {
     "LinearEnsemblePP": "covrl.explore.linear",
@@ -37,7 +37,4 @@ _EXPORTS = {
 __all__ = list(_EXPORTS)
 
 
-def __getattr__(name: str):
-    if name in _EXPORTS:
-        return getattr(importlib.import_module(_EXPORTS[name]), name)
-    raise AttributeError(f"module 'covrl.explore' has no attribute {name!r}")
+__getattr__ = lazy_exports(__name__, _EXPORTS)

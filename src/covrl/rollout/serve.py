@@ -213,11 +213,14 @@ class GenerateServer:
 
             def _send(self, status: int, body: dict) -> None:
                 data = json.dumps(body).encode()
-                self.send_response(status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
+                try:
+                    self.send_response(status)
+                    self.send_header("Content-Type", "application/json")
+                    self.send_header("Content-Length", str(len(data)))
+                    self.end_headers()
+                    self.wfile.write(data)
+                except (BrokenPipeError, ConnectionResetError):   # the client left (an agent timed out)
+                    pass
 
             def do_GET(self):
                 if self.path.rstrip("/") in ("/v1/models", "/models"):

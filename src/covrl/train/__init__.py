@@ -15,8 +15,7 @@ on first use, so `covrl --help` and the config loader do not import torch.
 
 from __future__ import annotations
 
-import importlib
-from typing import Any
+from covrl._lazy import lazy_exports
 
 # public name -> the room's module that defines it
 _PUBLIC: dict[str, str] = {
@@ -94,13 +93,7 @@ _PUBLIC: dict[str, str] = {
 __all__ = sorted(_PUBLIC)
 
 
-def __getattr__(name: str) -> Any:
-    module = _PUBLIC.get(name)
-    if module is None:
-        raise AttributeError(f"module 'covrl.train' has no attribute {name!r}")
-    value = getattr(importlib.import_module(module), name)
-    globals()[name] = value   # resolved once
-    return value
+__getattr__ = lazy_exports(__name__, _PUBLIC)
 
 
 def __dir__() -> list[str]:
