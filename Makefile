@@ -9,13 +9,17 @@ demo train: setup
 	.venv/bin/covrl train --config configs/default.yaml
 # TEST_WORKERS: pytest-xdist processes for the default suite (2 on a 2-core machine; 0 runs it in this process)
 TEST_WORKERS ?= 2
-# the two venvs build side by side (pip keeps about one core busy each)
+# the tests that need vLLM, run in .venv-vllm
+VLLM_TESTS = tests/rollout/test_vllm.py tests/rollout/test_vllm_bench.py
+# The two venvs build side by side (pip keeps about one core busy each). --dist loadgroup: a module marked
+# xdist_group (one costly shared fixture) runs on one worker.
 test:
 	$(MAKE) --no-print-directory -j2 setup setup-vllm
-	.venv/bin/python -m pytest -n $(TEST_WORKERS)
-	if [ "$${COVRL_SKIP_VLLM:-0}" != "1" ]; then .venv-vllm/bin/python -m pytest tests/rollout/test_vllm.py tests/rollout/test_vllm_bench.py; fi
-test-slow: setup
+	.venv/bin/python -m pytest -n $(TEST_WORKERS) --dist loadgroup
+	if [ "$${COVRL_SKIP_VLLM:-0}" != "1" ]; then .venv-vllm/bin/python -m pytest $(VLLM_TESTS); fi
+test-slow: setup setup-vllm
 	.venv/bin/python -m pytest -m slow
+	if [ "$${COVRL_SKIP_VLLM:-0}" != "1" ]; then .venv-vllm/bin/python -m pytest -m slow $(VLLM_TESTS); fi
 # ruff, then the import contracts of pyproject.toml ([tool.importlinter]: layers, no cycles)
 lint: setup
 	.venv/bin/ruff check src tests scripts

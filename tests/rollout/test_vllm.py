@@ -80,6 +80,7 @@ def perturbed_copy(model):
 LONG_PROMPT = [(7 * i) % 90 + 4 for i in range(200)]
 
 
+@pytest.mark.slow   # ~55 s of the default vLLM run on a 2-core CPU, most of it the engine process's start
 def test_engine_in_its_own_process(tiny, cache):
     """`sampler.vllm.engine_process`: the engine runs in vLLM's engine process, weights travel as a safetensors
     file in /dev/shm. At equal fp32 weights the log-probs are the trainer's; a sync takes effect (also on a

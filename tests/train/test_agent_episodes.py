@@ -191,7 +191,7 @@ def test_failing_agents_are_shown_counted_and_train_nothing(endpoint, tok):
     watch = FailureWatch("agent toy.py:run", unit="episodes", window=8, max_rate=0.5, report=reports.append)
     examples = [Example(prompt=p, answer="") for p in ("ok", "raise", "hang", "text")]
     # the timeout leaves a loaded machine room for the three calls that should finish
-    runner = AgentRunner(endpoint, misbehaving, concurrency=4, timeout_s=8.0)
+    runner = AgentRunner(endpoint, misbehaving, concurrency=4, timeout_s=4.0)
     try:
         episodes = runner.run(examples, 1)
     finally:

@@ -16,6 +16,8 @@ from train_helpers import TIME_KEYS, TIME_PREFIXES, tiny_cfg
 from covrl.train.parallel.wrappers import shard_rows
 
 torch.set_num_threads(1)
+# the world-2 spawn is a module fixture: under `make test` (--dist loadgroup) one worker runs it once
+pytestmark = pytest.mark.xdist_group("world2")
 
 # fp32; the ranks' gradients are summed in another order than one process accumulates them, and a forward over
 # a rank's rows rounds differently from one over the whole batch: a few ulps that 3 Adam steps carry along
