@@ -1,7 +1,8 @@
 """Sizing a run from the sampler (covrl.train.run.sizing): the rule on hand-made evidence, the predicted fraction of
 constant groups against brute-force enumeration of the Pólya urn, monotonicity of the token budget, the config's
 `auto` values, and tiny sync runs: sizing.json and a resolved config.yaml, typed values never changed, the budget
-adapting while the run goes, and a resume that does not probe again and repeats the uninterrupted run exactly."""
+and the group shape adapting while the run goes, and a resume that does not probe again and repeats the
+uninterrupted run exactly."""
 
 from __future__ import annotations
 
@@ -22,8 +23,8 @@ from covrl.train.run.driver import train_sync
 from covrl.train.run.folder import prepare_run
 from covrl.train.run.sinks import read_jsonl
 from covrl.train.run.sizing import (
-    LengthAdapter,
     ProbeEvidence,
+    SizingAdapter,
     choose_group_size,
     choose_max_new_tokens,
     decide,
@@ -239,7 +240,7 @@ def test_typed_values_are_never_changed(tmp_path):
     assert record["resolved"] == {"loop.prompts_per_step": 2}
     assert (resolved.sampler.max_new_tokens, resolved.loop.group_size) == (4, 4)
     records = read_jsonl(tmp_path / "typed" / "metrics.jsonl")
-    assert run.length_adapter is None and not any("sizing/max_new_tokens" in r for r in records)
+    assert run.sizing_adapter is None and not any("sizing/max_new_tokens" in r for r in records)
     assert all(r["response/at_max_frac"] > 0.01 for r in records)   # would have adapted an auto budget
 
 
@@ -250,7 +251,7 @@ def _adapter(max_new_tokens=16, cap=64, **sizing_over):
     run = SimpleNamespace(cfg=cfg, sampler=SimpleNamespace(cfg=cfg.sampler), step=0,
                           task=SimpleNamespace(cfg=cfg.task, response_budget=max_new_tokens),
                           message=lambda text, **kw: messages.append(text))
-    return LengthAdapter(run, cap=cap), run, messages
+    return SizingAdapter(run, cap=cap), run, messages
 
 
 def test_adapter_grows_the_budget_after_k_cut_steps_up_to_the_cap_and_says_so_once():
@@ -269,12 +270,72 @@ def test_adapter_grows_the_budget_after_k_cut_steps_up_to_the_cap_and_says_so_on
     assert fresh_run.cfg.sampler.max_new_tokens == 64 and fresh.state_dict() == adapter.state_dict()
 
 
+def _group_adapter(group_size=4, **sizing_over):
+    over = ["loop.group_size=auto", "loop.prompts_per_step=auto"] + [f"sizing.{k}={v}" for k, v in sizing_over.items()]
+    cfg = sizing.resolve_config(load_config(None, over), {"loop.group_size": group_size,
+                                                          "loop.prompts_per_step": 16 // group_size})
+    messages = []
+    run = SimpleNamespace(cfg=cfg, step=0, message=lambda text, **kw: messages.append(text))
+    return SizingAdapter(run, cap=64, tokens=False, groups=True), run, messages
+
+
+def _groups_batch(groups):
+    """A step's scored rollouts as the adapter reads them: one reward per rollout, the group of each."""
+    rewards = [r for g in groups for r in g]
+    ids = [i for i, g in enumerate(groups) for _ in g]
+    return SimpleNamespace(sequence_rewards=torch.tensor(rewards), group_ids=torch.tensor(ids))
+
+
+def test_group_adapter_applies_the_probe_rule_to_each_window_of_steps_and_keeps_the_rollouts():
+    # pass rate ~1/8, groups of 4: most groups constant, the rule (target 50%) asks for larger groups
+    sparse = [[1.0, 0.0, 0.0, 0.0]] + [[0.0] * 4] * 3
+    adapter, run, messages = _group_adapter(adapt_group_steps=2)
+    expected = predicted_constant_fraction(sparse * 2, 8)
+    seen = []
+    for step in range(1, 5):
+        run.step = step
+        record = {}
+        adapter.observe(record, _groups_batch(sparse))
+        seen.append((record["sizing/group_size"], record["sizing/prompts_per_step"]))
+    g1, _, _ = choose_group_size(sparse * 2, [4, 8, 16], 16, 0.5)
+    assert seen[0] == (4.0, 4.0) and seen[1] == (float(g1), 16.0 / g1) and g1 > 4
+    assert run.cfg.loop.rollouts_per_step == 16 and run.cfg.loop.group_size * run.cfg.loop.prompts_per_step == 16
+    assert adapter.group_changes[0] == {"step": 2, "from": 4, "to": g1, "constant_seen": 0.75,
+                                        "predicted_constant": pytest.approx(predicted_constant_fraction(
+                                            sparse * 2, g1))}
+    assert expected > 0 and len(messages) == 1 and "loop.group_size 4 -> " in messages[0]
+    # contrast in every group of 16: the rule goes back to the smallest G that meets the target
+    adapter, run, _ = _group_adapter(group_size=16, adapt_group_steps=1)
+    run.step = 1
+    adapter.observe({}, _groups_batch([[1.0] * 8 + [0.0] * 8]))
+    assert (run.cfg.loop.group_size, run.cfg.loop.prompts_per_step) == (4, 4)
+    # exact state: a fresh adapter loaded from the state dict has the sizes and the half-filled window
+    adapter, run, _ = _group_adapter(adapt_group_steps=3)
+    for step in (1, 2):
+        run.step = step
+        adapter.observe({}, _groups_batch(sparse))
+    fresh, fresh_run, _ = _group_adapter(group_size=8, adapt_group_steps=3)
+    fresh.load_state_dict(json.loads(json.dumps(adapter.state_dict())))
+    assert fresh.state_dict() == adapter.state_dict() and fresh_run.cfg.loop.group_size == 4
+
+
+def test_a_typed_group_shape_is_never_adapted(tmp_path):
+    cfg = sizing.resolve_config(load_config(None, ["sampler.max_new_tokens=auto"]), {"sampler.max_new_tokens": 16})
+    run = SimpleNamespace(cfg=cfg, register=lambda *a: None)
+    adapter = sizing.attach_adapter(run, {"auto": ["sampler.max_new_tokens"], "evidence": {"cap": 64}})
+    assert adapter.tokens and not adapter.groups
+    record = {"response/at_max_frac": 0.0}
+    adapter.observe(record, _groups_batch([[0.0] * 4] * 4))
+    assert "sizing/group_size" not in record and cfg.loop.group_size == 8
+
+
 def test_resume_after_the_probe_does_not_probe_again_and_is_exact(tmp_path, monkeypatch):
     # a budget below the probe's cap (the 10th percentile, no headroom) and a low adapt threshold: the budget
     # grows by a multiple of 8 after every step, so the checkpoint at step 2 must carry it
     over = {"loop.steps": 4, "eval.before": False, **AUTO, "sizing.probe_max_new_tokens": 40,
             "sizing.length_quantile": 0.1, "sizing.length_headroom": 1.0, "sizing.adapt_cut_rate": 0.01,
-            "sizing.adapt_steps": 1, "sizing.adapt_factor": 1.1}
+            "sizing.adapt_steps": 1, "sizing.adapt_factor": 1.1, "sizing.adapt_group_steps": 1,
+            "sizing.rollouts_per_step": 8, "sizing.group_sizes": [2, 4, 8]}
     straight = prepare_run(tiny_cfg(tmp_path, **{"run.name": "straight", **over}), console=False)
     train_sync(straight)
     straight.close()
@@ -296,6 +357,10 @@ def test_resume_after_the_probe_does_not_probe_again_and_is_exact(tmp_path, monk
     start = json.loads((tmp_path / "split" / "sizing.json").read_text())["resolved"]["sampler.max_new_tokens"]
     budgets = [r["sizing/max_new_tokens"] for r in a]
     assert start < budgets[0] < budgets[1]   # both changes before the checkpoint the run resumes from
-    assert resumed.length_adapter.changes == straight.length_adapter.changes
+    assert resumed.sizing_adapter.changes == straight.sizing_adapter.changes
+    assert resumed.sizing_adapter.group_changes == straight.sizing_adapter.group_changes
+    shapes = [(r["sizing/group_size"], r["sizing/prompts_per_step"]) for r in a]
+    assert all(g * p == 8 for g, p in shapes)
+    print("group shapes of the 4 steps:", shapes)
     for (ka, va), (kb, vb) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
         assert ka == kb and torch.equal(va, vb), ka

@@ -97,8 +97,8 @@ def run_loop(run: Run, source: RolloutSource, *, stop_after: int | None = None) 
             record.update(sb.metrics)
             record.update(source.step_metrics(result))
             _warn_cut_answers(run, record)
-            if run.length_adapter is not None:   # sizing.adapt: the next step's budget from this step's cut rate
-                run.length_adapter.observe(record)
+            if run.sizing_adapter is not None:   # sizing.adapt: the next step's sizes from this step's evidence
+                run.sizing_adapter.observe(record, sb.batch)
             if result.skip_reason:
                 record["skip_reason"] = result.skip_reason
                 run.message(f"step {run.step}: skipped ({result.skip_reason})")

@@ -145,7 +145,7 @@ class Run:
     warned_cut: bool = False   # the warning that most responses hit sampler.max_new_tokens was printed
     selector: PromptSelector | None = None   # which prompts of the stream a step trains on (selection)
     sizing: dict[str, Any] | None = None   # what the probe chose for the auto fields (sizing.json; None: no auto)
-    length_adapter: Any = None   # sizing.adapt: grows an auto max_new_tokens while answers keep being cut
+    sizing_adapter: Any = None   # sizing.adapt: changes the auto sizes while the run goes
     agent: Any = None   # task.agent: the AgentPlayer that plays episodes and evaluations (covrl.train.run.agent_source)
 
     # ------------------------------------------------------------------------------- checkpointer
@@ -294,8 +294,10 @@ class Run:
                         "world_size": dist.get_world_size() if dist.is_initialized() else 1},
             "initial_weights": self.initial_weights,
             # the auto fields as the probe sized them (sizing.json), its seconds, and each adapted budget
-            "sizing": None if self.sizing is None else {**self.sizing, "max_new_tokens_changes": (
-                self.length_adapter.changes if self.length_adapter is not None else [])},
+            "sizing": None if self.sizing is None else {
+                **self.sizing,
+                "max_new_tokens_changes": self.sizing_adapter.changes if self.sizing_adapter is not None else [],
+                "group_size_changes": self.sizing_adapter.group_changes if self.sizing_adapter is not None else []},
             # the held-out split in numbers, with the held-out prompts that also occur in training
             "task": self.task.split_info() if hasattr(self.task, "split_info") else None,
             # what the run leaves on disk: its newest checkpoint and the whole folder (checkpoint.keep_last, .final)
@@ -528,7 +530,7 @@ def prepare_run(cfg: TrainConfig, *, config_path: str | Path | None = None, resu
         run.sizing = {"config": sizing["config"], "auto": sizing["auto"], "time/probe_s": sizing["time/probe_s"],
                       "warnings": sizing["warnings"], "file": "sizing.json"}
         run.add_time("probe", probe_s)
-        run.length_adapter = attach_adapter(run, sizing)
+        run.sizing_adapter = attach_adapter(run, sizing)
     if latest is not None:
         run.last_ckpt_rollouts = trainer.rollouts
         truncate_jsonl(run_dir / "metrics.jsonl", run.metrics_lines)

@@ -22,7 +22,9 @@ The run folder keeps the evidence and the choices (`sizing.json`) and the resolv
 only); `--resume` takes the numbers from sizing.json and never probes again. With `sizing.adapt`, an `auto`
 max_new_tokens grows by `adapt_factor` (up to the probe's cap) after `adapt_steps` steps in a row that cut more
 than `adapt_cut_rate` of their responses; the current value is checkpointed with the run (exact resume) and
-logged as `sizing/max_new_tokens`. A value the user typed is never changed.
+logged as `sizing/max_new_tokens`. With auto loop.group_size and loop.prompts_per_step, every `adapt_group_steps`
+steps the group-size rule is applied again to the rewards of those steps' groups, and a new G keeps the rollouts per
+step (`sizing/group_size`, `sizing/prompts_per_step`). A value the user typed is never changed.
 
 The rule is a set of pure functions of the evidence (`choose_max_new_tokens`, `choose_group_size`,
 `predicted_constant_fraction`); `size_run` is the part that samples and writes."""
@@ -49,7 +51,7 @@ from covrl.train.run.sources import score_rollouts
 if TYPE_CHECKING:   # the run's config composes this section: imported for types only
     from covrl.train.config import TrainConfig
 
-__all__ = ["AUTO", "AUTO_FIELDS", "LengthAdapter", "ProbeEvidence", "SizingConfig", "SizingDecision",
+__all__ = ["AUTO", "AUTO_FIELDS", "ProbeEvidence", "SizingAdapter", "SizingConfig", "SizingDecision",
            "auto_fields", "check_sizable", "choose_group_size", "choose_max_new_tokens", "decide",
            "pooled_prior", "predicted_constant_fraction", "probe_record", "prompt_constant_probability", "size_run"]
 
@@ -88,13 +90,16 @@ class SizingConfig(Section):
                                        "samples, S correct; other rewards: a Dirichlet process of concentration a + b")
     cut_warning: float = Field(0.5, gt=0.0, le=1.0, description="warn when this fraction of the probe's samples "
                                "reaches the probe's budget")
-    adapt: bool = Field(True, description="raise an auto max_new_tokens while the run goes when steps keep "
-                        "cutting answers (up to the probe's budget); a typed value is never changed")
+    adapt: bool = Field(True, description="while the run goes: raise an auto max_new_tokens when steps keep "
+                        "cutting answers (up to the probe's budget), and re-choose an auto group_size from the "
+                        "recent steps' groups; a typed value is never changed")
     adapt_cut_rate: float = Field(0.5, gt=0.0, le=1.0, description="a step whose response/at_max_frac exceeds "
                                   "this counts towards adapting")
     adapt_steps: int = Field(2, ge=1, le=1000, description="consecutive such steps before max_new_tokens grows")
     adapt_factor: float = Field(1.5, gt=1.0, le=16.0, description="max_new_tokens grows by this factor (rounded "
                                 "up to a multiple of 8)")
+    adapt_group_steps: int = Field(3, ge=1, le=1000, description="auto loop.group_size and prompts_per_step: "
+                                   "every this many steps, group_sizes' rule applied to those steps' groups")
 
     @field_validator("group_sizes")
     @classmethod
@@ -462,22 +467,38 @@ def size_run(cfg: TrainConfig, c, run_dir: Path, *, resumed: bool, build_sampler
 # ------------------------------------------------------------------------------------ while it runs
 
 
-class LengthAdapter:
-    """`sizing.adapt` for an auto sampler.max_new_tokens: after `adapt_steps` steps in a row whose
-    response/at_max_frac exceeds `adapt_cut_rate`, max_new_tokens x `adapt_factor` (rounded up to a multiple of 8,
-    at most `cap`, the probe's budget). Checkpointed with the run (`run.register("sizing", ...)`): a resumed run
-    samples with the budget the uninterrupted one had."""
+class SizingAdapter:
+    """`sizing.adapt` while the run goes, for the fields the probe sized (a typed value is never changed):
 
-    def __init__(self, run, cap: int):
+    budget  an auto max_new_tokens x `adapt_factor` (rounded up to a multiple of 8, at most `cap`, the probe's
+            budget) after `adapt_steps` steps in a row whose response/at_max_frac exceeds `adapt_cut_rate`
+    groups  with auto loop.group_size and loop.prompts_per_step: after every `adapt_group_steps` steps, the
+            probe's group-size rule (`choose_group_size`) applied to the rewards of those steps' groups; a new G
+            keeps sizing.rollouts_per_step (prompts_per_step = rollouts // G), and the window starts again
+
+    Checkpointed with the run (`run.register("sizing", ...)`): a resumed run samples with the sizes the
+    uninterrupted one had. Each step's record gets the sizes of the next step (`sizing/max_new_tokens`,
+    `sizing/group_size`, `sizing/prompts_per_step`)."""
+
+    def __init__(self, run, cap: int, *, tokens: bool = True, groups: bool = False):
         self.run = run
         self.cap = int(cap)
+        self.tokens, self.groups = tokens, groups
         self.streak = 0
-        self.changes: list[dict[str, int]] = []
+        self.changes: list[dict[str, int]] = []         # the budget's
+        self.group_changes: list[dict[str, Any]] = []
+        self.window: list[list[float]] = []              # rewards of each group of the current window's steps
+        self.window_steps = 0
         self.warned = False
+        self.warned_groups = False
 
     @property
     def max_new_tokens(self) -> int:
         return int(self.run.cfg.sampler.max_new_tokens)
+
+    @property
+    def group_size(self) -> int:
+        return int(self.run.cfg.loop.group_size)
 
     def _set(self, tokens: int) -> None:
         run = self.run
@@ -487,9 +508,26 @@ class LengthAdapter:
         if run.task.cfg.overlong_reward.max_tokens is None:
             run.task.response_budget = tokens
 
-    def observe(self, record: dict[str, Any]) -> None:
-        """After a step's record is made (its cut rate at the budget it sampled with), before it is logged:
-        grow the budget when due; the record gets `sizing/max_new_tokens` (the budget of the next step)."""
+    def _set_group(self, group: int) -> None:
+        loop = self.run.cfg.loop
+        prompts = max(1, self.run.cfg.sizing.rollouts_per_step // group)
+        # one validated copy: the two fields change together (each assignment alone would be checked alone)
+        self.run.cfg.loop = type(loop).model_validate({**loop.model_dump(), "group_size": group,
+                                                       "prompts_per_step": prompts})
+
+    def observe(self, record: dict[str, Any], batch=None) -> None:
+        """After a step's record is made (its cut rate at the budget it sampled with) and before it is logged:
+        change the sizes when due. `batch`: the step's scored rollouts (rewards and group ids), for the groups."""
+        if self.tokens:
+            self._observe_cut(record)
+            record["sizing/max_new_tokens"] = float(self.max_new_tokens)
+        if self.groups:
+            if batch is not None:
+                self._observe_groups(batch)
+            record["sizing/group_size"] = float(self.group_size)
+            record["sizing/prompts_per_step"] = float(self.run.cfg.loop.prompts_per_step)
+
+    def _observe_cut(self, record: dict[str, Any]) -> None:
         scfg = self.run.cfg.sizing
         frac = record.get("response/at_max_frac")
         self.streak = self.streak + 1 if isinstance(frac, float) and frac > scfg.adapt_cut_rate else 0
@@ -504,25 +542,64 @@ class LengthAdapter:
                                  f"{scfg.adapt_cut_rate:.0%} of the responses: sampler.max_new_tokens {old} -> "
                                  f"{new} (sizing.adapt; at most {self.cap}; each change: sizing/max_new_tokens in "
                                  "metrics.jsonl)")
-        record["sizing/max_new_tokens"] = float(self.max_new_tokens)
+
+    def _observe_groups(self, batch) -> None:
+        scfg = self.run.cfg.sizing
+        rewards = batch.sequence_rewards.tolist()
+        by_group: dict[int, list[float]] = {}
+        for g, r in zip(batch.group_ids.tolist(), rewards):
+            by_group.setdefault(int(g), []).append(float(r))
+        self.window.extend(by_group[g] for g in sorted(by_group))
+        self.window_steps += 1
+        if self.window_steps < scfg.adapt_group_steps:
+            return
+        old = self.group_size
+        new, predicted, _ = choose_group_size(self.window, scfg.group_sizes, scfg.rollouts_per_step,
+                                              scfg.constant_target, scfg.prior)
+        seen = sum(1 for g in self.window if len(set(g)) == 1) / max(len(self.window), 1)
+        self.window, self.window_steps = [], 0
+        if new == old:
+            return
+        self._set_group(new)
+        self.group_changes.append({"step": int(self.run.step), "from": old, "to": new,
+                                   "constant_seen": seen, "predicted_constant": predicted.get(new)})
+        if not self.warned_groups:
+            self.warned_groups = True
+            self.run.message(f"step {self.run.step}: {seen:.0%} of the last {scfg.adapt_group_steps} steps' groups "
+                             f"were constant; by the probe's rule loop.group_size {old} -> {new}, "
+                             f"loop.prompts_per_step {self.run.cfg.loop.prompts_per_step} (sizing.adapt; each "
+                             "change: sizing/group_size in metrics.jsonl)")
 
     def state_dict(self) -> dict[str, Any]:
         return {"max_new_tokens": self.max_new_tokens, "streak": self.streak, "changes": list(self.changes),
-                "warned": self.warned}
+                "warned": self.warned, "group_size": self.group_size, "group_changes": list(self.group_changes),
+                "window": [list(g) for g in self.window], "window_steps": self.window_steps,
+                "warned_groups": self.warned_groups}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.streak = int(state["streak"])
         self.changes = list(state.get("changes", []))
         self.warned = bool(state.get("warned", False))
+        self.group_changes = list(state.get("group_changes", []))
+        self.window = [list(map(float, g)) for g in state.get("window", [])]
+        self.window_steps = int(state.get("window_steps", 0))
+        self.warned_groups = bool(state.get("warned_groups", False))
         if int(state["max_new_tokens"]) != self.max_new_tokens:
             self._set(int(state["max_new_tokens"]))
+        if "group_size" in state and int(state["group_size"]) != self.group_size:
+            self._set_group(int(state["group_size"]))
 
 
-def attach_adapter(run, record: dict[str, Any] | None) -> LengthAdapter | None:
-    """The LengthAdapter of a sized run whose max_new_tokens was auto and `sizing.adapt` is on (registered with
-    the run's checkpointer), else None."""
-    if record is None or not run.cfg.sizing.adapt or "sampler.max_new_tokens" not in record.get("auto", []):
+def attach_adapter(run, record: dict[str, Any] | None) -> SizingAdapter | None:
+    """The SizingAdapter of a sized run with `sizing.adapt` on and an auto max_new_tokens, or auto group_size and
+    prompts_per_step (registered with the run's checkpointer), else None."""
+    if record is None or not run.cfg.sizing.adapt:
         return None
-    adapter = LengthAdapter(run, cap=int(record["evidence"]["cap"]))
+    auto = record.get("auto", [])
+    tokens = "sampler.max_new_tokens" in auto
+    groups = "loop.group_size" in auto and "loop.prompts_per_step" in auto and len(run.cfg.sizing.group_sizes) > 1
+    if not (tokens or groups):
+        return None
+    adapter = SizingAdapter(run, cap=int(record["evidence"]["cap"]), tokens=tokens, groups=groups)
     run.register("sizing", adapter)
     return adapter
