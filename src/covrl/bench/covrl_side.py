@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import shutil
 import tempfile
 import warnings
@@ -50,11 +51,10 @@ def make_covrl_stepper(runner: ArmRunner):
     return step
 
 
-def serve_steps(conn, stepper, clock: Clock, max_steps: int | None = None) -> dict:
+def serve_steps(conn, stepper, clock: Clock, max_steps: int | None = None) -> None:
     """Answer the parent's 'go's with one step record each (memory, threads and the clock's evaluations added)
-    until the clock says finished or `max_steps` ran; returns the last record."""
-    record: dict = {}
-    while max_steps is None or max_steps > 0:
+    until the clock says finished or `max_steps` ran."""
+    for _ in itertools.count() if max_steps is None else range(max_steps):
         if conn.recv() != "go":
             raise RuntimeError("covrl worker expected 'go'")
         record = stepper()
@@ -63,9 +63,6 @@ def serve_steps(conn, stepper, clock: Clock, max_steps: int | None = None) -> di
         conn.send(record)
         if record["finished"]:
             break
-        if max_steps is not None:
-            max_steps -= 1
-    return record
 
 
 def covrl_worker(conn, settings: StepSettings) -> None:

@@ -535,13 +535,17 @@ class SizingAdapter:
             old, new = self.max_new_tokens, min(self.cap, round_up(self.max_new_tokens * scfg.adapt_factor))
             self._set(new)
             self.streak = 0
-            self.changes.append({"step": int(self.run.step), "from": old, "to": new})
-            if not self.warned:
-                self.warned = True
-                self.run.message(f"step {self.run.step}: {scfg.adapt_steps} steps in a row cut more than "
-                                 f"{scfg.adapt_cut_rate:.0%} of the responses: sampler.max_new_tokens {old} -> "
-                                 f"{new} (sizing.adapt; at most {self.cap}; each change: sizing/max_new_tokens in "
-                                 "metrics.jsonl)")
+            self._record(self.changes, {"step": int(self.run.step), "from": old, "to": new}, "warned",
+                         f"step {self.run.step}: {scfg.adapt_steps} steps in a row cut more than "
+                         f"{scfg.adapt_cut_rate:.0%} of the responses: sampler.max_new_tokens {old} -> {new} "
+                         f"(sizing.adapt; at most {self.cap}; each change: sizing/max_new_tokens in metrics.jsonl)")
+
+    def _record(self, changes: list, change: dict[str, Any], announced: str, text: str) -> None:
+        """Keep `change` in `changes`; say `text` on the run's console for the first change of its kind."""
+        changes.append(change)
+        if not getattr(self, announced):
+            setattr(self, announced, True)
+            self.run.message(text)
 
     def _observe_groups(self, batch) -> None:
         scfg = self.run.cfg.sizing
@@ -561,14 +565,12 @@ class SizingAdapter:
         if new == old:
             return
         self._set_group(new)
-        self.group_changes.append({"step": int(self.run.step), "from": old, "to": new,
-                                   "constant_seen": seen, "predicted_constant": predicted.get(new)})
-        if not self.warned_groups:
-            self.warned_groups = True
-            self.run.message(f"step {self.run.step}: {seen:.0%} of the last {scfg.adapt_group_steps} steps' groups "
-                             f"were constant; by the probe's rule loop.group_size {old} -> {new}, "
-                             f"loop.prompts_per_step {self.run.cfg.loop.prompts_per_step} (sizing.adapt; each "
-                             "change: sizing/group_size in metrics.jsonl)")
+        self._record(self.group_changes, {"step": int(self.run.step), "from": old, "to": new, "constant_seen": seen,
+                                          "predicted_constant": predicted.get(new)}, "warned_groups",
+                     f"step {self.run.step}: {seen:.0%} of the last {scfg.adapt_group_steps} steps' groups were "
+                     f"constant; by the probe's rule loop.group_size {old} -> {new}, loop.prompts_per_step "
+                     f"{self.run.cfg.loop.prompts_per_step} (sizing.adapt; each change: sizing/group_size in "
+                     "metrics.jsonl)")
 
     def state_dict(self) -> dict[str, Any]:
         return {"max_new_tokens": self.max_new_tokens, "streak": self.streak, "changes": list(self.changes),
