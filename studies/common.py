@@ -12,6 +12,11 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
+# The sizes configs/default.yaml typed before they became `auto`: the studies registered against that default
+# (16 tokens, 4 prompts x 4) load it with these, so that they run as they were designed.
+TYPED_DEFAULT_SIZES = {"sampler.max_new_tokens": 16, "loop.group_size": 4, "loop.prompts_per_step": 4}
+TYPED_DEFAULT_OVERRIDES = [f"{k}={v}" for k, v in TYPED_DEFAULT_SIZES.items()]
+
 
 @dataclass
 class Criterion:

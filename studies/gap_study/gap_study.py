@@ -21,7 +21,7 @@ import sys
 import time
 from pathlib import Path
 
-from studies.common import pyplot, save_figure
+from studies.common import TYPED_DEFAULT_OVERRIDES, pyplot, save_figure
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository
 OUT = ROOT / "runs" / "gap-study"
@@ -66,6 +66,7 @@ def run_train(name: str, overrides: list[str], steps: int) -> dict:
         str(ROOT / "configs/default.yaml"),
         "--name",
         name,
+        *TYPED_DEFAULT_OVERRIDES,
         *COMMON,
         f"loop.steps={steps}",
         *overrides,

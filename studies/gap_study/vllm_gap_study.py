@@ -29,7 +29,7 @@ import sys
 import time
 from pathlib import Path
 
-from studies.common import pyplot, save_figure
+from studies.common import TYPED_DEFAULT_OVERRIDES, pyplot, save_figure
 
 ROOT = Path(__file__).resolve().parents[2]   # the repository
 OUT = ROOT / "runs" / "vllm-gap-study"
@@ -63,7 +63,7 @@ PER_STEP = ("reward/mean", "mismatch/k3", "kl_seq", "mismatch/chi2_token", "mism
 def run_arm(arm: str, overrides: list[str], steps: int, eval_before: bool = True) -> dict:
     """One `covrl train` in the vLLM venv; returns the arm's summary (per-step series, evals, wall, load)."""
     cmd = [str(VLLM_PYTHON), "-m", "covrl", "train", "--config", str(ROOT / "configs/default.yaml"),
-           "--name", arm, "--no-progress", *COMMON, f"loop.steps={steps}",
+           "--name", arm, "--no-progress", *TYPED_DEFAULT_OVERRIDES, *COMMON, f"loop.steps={steps}",
            *([] if eval_before else ["eval.before=false"]), *overrides]
     env = dict(os.environ, PYTHONPATH=str(ROOT / "src"))
     load0 = os.getloadavg()

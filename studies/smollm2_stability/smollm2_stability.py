@@ -43,7 +43,7 @@ from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
-from studies.common import jsonable, pyplot, save_figure
+from studies.common import TYPED_DEFAULT_OVERRIDES, jsonable, pyplot, save_figure
 from studies.lr_surge.lr_surge import eos_suppressing_sampler_builder
 
 from covrl.experiment import Arm, ArmRunner, Step, numeric
@@ -98,7 +98,7 @@ def build_cfg(name: str, overrides: list[str], *, run_root: Path):
 
     common = [f"run.name={name}", f"run.output_dir={run_root}", "run.num_threads=1", "eval.before=false",
               "eval.after=false", "checkpoint.at_end=false", "logging.console=false", "logging.curves=false"]
-    return load_config(DEFAULT_CONFIG, [*common, *overrides])
+    return load_config(DEFAULT_CONFIG, [*TYPED_DEFAULT_OVERRIDES, *common, *overrides])
 
 
 def _cpu() -> float:

@@ -22,6 +22,7 @@ import statistics
 import sys
 from pathlib import Path
 
+from studies.common import TYPED_DEFAULT_SIZES
 from studies.suite.suite_tasks import DEFAULT_TASKS, SUITE_TASKS
 from studies.time_to_accuracy.time_to_accuracy import (
     add_side_options,
@@ -81,7 +82,7 @@ def task_config(task: str, seed: int, quick: bool, cache: str, covrl_set: tuple[
     overrides = {**SUITE_TASKS[task].overrides, "run.seed": seed, **covrl_set_overrides(list(covrl_set))}
     if quick:
         return quick_config(str(model_dir("tiny", cache)), overrides)
-    return load_preset("default", overrides)
+    return load_preset("default", {**TYPED_DEFAULT_SIZES, **overrides})
 
 
 def run_key(args: argparse.Namespace, task: str, side: str) -> dict:

@@ -28,6 +28,7 @@ from covrl.bench.models import DEFAULT_CACHE, model_dir
 from covrl.bench.settings import StepSettings
 from covrl.config import dump_config, load_config, load_preset
 from covrl.train import git_state
+from covrl.train.run.sizing import fixed_sizes
 
 
 def add_side_options(parser: argparse.ArgumentParser) -> None:
@@ -128,7 +129,7 @@ def run(args: argparse.Namespace) -> int:
         tmp.write_text(dump_config(quick_config(str(model_dir("tiny", cache)))))
         config_path = str(tmp)
         set_quick(args)
-    cfg = load_config(config_path)
+    cfg = fixed_sizes(load_config(config_path))   # auto sizes: the typed ones this study was built on
     per_side = side_settings(args, cfg, config_path)
     sides = tuple(s.strip() for s in args.sides.split(",") if s.strip())
     load_before = os.getloadavg()

@@ -24,6 +24,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from studies.common import TYPED_DEFAULT_SIZES
 from studies.tta.tasks import TTA_TASKS, task_overrides
 
 # one factor each against `default`; every value is a dotted override of configs/default.yaml
@@ -53,7 +54,7 @@ def arm_overrides(task: str, arm: str) -> dict:
 def run_config(task: str, arm: str, seed: int):
     from covrl.config import load_preset
 
-    return load_preset("default", {**task_overrides(task), **arm_overrides(task, arm), "run.seed": seed,
+    return load_preset("default", {**TYPED_DEFAULT_SIZES, **task_overrides(task), **arm_overrides(task, arm), "run.seed": seed,
                                    "run.num_threads": 1, "eval.before": False, "eval.after": False,
                                    "checkpoint.at_end": False, "logging.console": False})
 

@@ -25,6 +25,7 @@ from covrl.rollout import SamplerConfig, build_sampler
 from covrl.rollout.text import decode_responses
 from covrl.tasks import build_task
 from covrl.train import evaluate
+from studies.common import TYPED_DEFAULT_SIZES
 from studies.tta.tasks import TTA_TASKS, task_overrides
 
 
@@ -71,7 +72,7 @@ def probe_single_turn(sampler, task, tokenizer, examples, budget: int, samples: 
 def probe_task(name: str, model, tokenizer, prompts: int, samples: int, seed: int = 17) -> dict:
     t0 = time.perf_counter()
     budget = TTA_TASKS[name].max_new_tokens
-    cfg = load_preset("default", task_overrides(name))
+    cfg = load_preset("default", {**TYPED_DEFAULT_SIZES, **task_overrides(name)})
     task = build_task(cfg.task)
     examples = task.eval[:prompts]
     answer_tokens = [len(tokenizer(ex.answer, add_special_tokens=False)["input_ids"]) for ex in examples]

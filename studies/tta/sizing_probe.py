@@ -82,12 +82,14 @@ def redecide(name: str, record: dict) -> dict:
 
     cfg = sizing_config(name)
     samples = record["samples"]
+    at = {int(b): v for b, v in samples.get("rewards_at", {}).items()}
+    correct_at = {int(b): v for b, v in samples.get("correct_at", {}).items()}
     evidence = ProbeEvidence(lengths=samples["lengths"], cap=record["evidence"]["cap"], rewards=samples["rewards"],
-                             correct=samples["correct"])
+                             correct=samples["correct"], rewards_at=at, correct_at=correct_at)
     decision = decide(evidence, cfg)
     resolved = resolve_config(cfg, decision.resolved)
     return {**record, "resolved": decision.resolved, "warnings": decision.warnings,
-            "predicted_constant": {str(g): p for g, p in decision.predicted_constant.items()},
+            "predicted_failing": {str(g): p for g, p in decision.predicted_failing.items()},
             "config": {f"{s}.{f}": getattr(getattr(resolved, s), f) for s, f in AUTO_FIELDS}}
 
 
@@ -138,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             ev, cfg = r["evidence"], r["config"]
             print(f"{name}: max_new_tokens {cfg['sampler.max_new_tokens']}, G {cfg['loop.group_size']}, prompts "
                   f"{cfg['loop.prompts_per_step']}; cut {ev['cut_frac']:.0%} at {ev['cap']}, pass "
-                  f"{ev['pass_rate_mean']:.0%}, constant {r['predicted_constant']}; {r['time/probe_s']:.0f} s wall, "
+                  f"{ev['pass_rate_mean']:.0%}, failing {r['predicted_failing']}; {r['time/probe_s']:.0f} s wall, "
                   f"{r['time/probe_cpu_s']:.0f} s CPU; warnings {len(r['warnings'])}", flush=True)
         if path:
             path.write_text(json.dumps(results, indent=2) + "\n")

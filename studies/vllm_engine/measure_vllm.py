@@ -16,6 +16,7 @@ from covrl.config import load_config
 from covrl.models import load_model
 from covrl.rollout import build_sampler
 from covrl.tasks import build_task
+from covrl.train.run.sizing import fixed_sizes
 
 
 def recompute(model, batch, temperature):
@@ -45,7 +46,7 @@ def main():
     ap.add_argument("--bf16", action="store_true", help="also start a bf16 engine (5-10x slower on a CPU)")
     ap.add_argument("--out", default="runs/engines.json")
     args = ap.parse_args()
-    cfg = load_config("configs/default.yaml", [f"sampler.max_new_tokens={args.new_tokens}"])
+    cfg = fixed_sizes(load_config("configs/default.yaml", [f"sampler.max_new_tokens={args.new_tokens}"]))
     task = build_task(cfg.task)
     model, tok = load_model(cfg.model, seed=0)
     model.eval()

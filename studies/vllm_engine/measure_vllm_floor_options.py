@@ -21,6 +21,7 @@ from covrl.config import load_config
 from covrl.models import load_model
 from covrl.rollout import build_sampler
 from covrl.tasks import build_task
+from covrl.train.run.sizing import fixed_sizes
 
 LONG_INSTRUCTION = ("You are a careful arithmetic assistant. Read the problem, compute the result exactly, and "
                     "answer with just the number, with no words, units or punctuation. ") * 8
@@ -50,7 +51,7 @@ def main():
     ap.add_argument("--samples", type=int, default=8)
     ap.add_argument("--out", default="runs/engine_floor_options.json")
     args = ap.parse_args()
-    cfg = load_config("configs/default.yaml", [])
+    cfg = fixed_sizes(load_config("configs/default.yaml", []))
     task = build_task(cfg.task)
     model, tok = load_model(cfg.model, seed=0)
     model.eval()

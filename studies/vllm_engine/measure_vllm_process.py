@@ -23,6 +23,7 @@ from covrl.config import load_config
 from covrl.models import load_model
 from covrl.rollout import build_sampler, filtered_logprobs, truncation_rule
 from covrl.tasks import build_task
+from covrl.train.run.sizing import fixed_sizes
 
 TINY = ["model.source=tiny", "model.tiny.hidden_size=64", "model.tiny.num_layers=2", "model.tiny.num_heads=2",
         "model.tiny.intermediate_size=128", "model.tiny.max_positions=256"]
@@ -42,7 +43,7 @@ def main():
     if args.lora_rank:
         over += [f"model.lora.rank={args.lora_rank}", f"model.lora.alpha={2 * args.lora_rank}",
                  f"sampler.vllm.lora_sync={args.lora_sync}"]
-    cfg = load_config("configs/default.yaml", over)
+    cfg = fixed_sizes(load_config("configs/default.yaml", over))
     task = build_task(cfg.task)
     model, tok = load_model(cfg.model, seed=0)
     model.eval()

@@ -89,12 +89,16 @@ def test_tta_quick_runs_every_arm_to_the_same_clock(tmp_path, cache_dir):
 
 
 @pytest.mark.slow
-def test_tta_quick_auto_sizes_covrl_from_its_probe(tmp_path, cache_dir):
-    """--auto: covrl's arm runs with the sizes its own probe chose (the same probe the bench ran first: same
-    seed, same weights) and its clock starts at the probe's seconds."""
-    res = _run(tmp_path, cache_dir, "--auto", "--arms", "covrl")
+def test_tta_quick_sizes_covrl_from_its_probe_and_fixed_keeps_the_suite_budget(tmp_path, cache_dir):
+    """By default covrl's arm runs with the sizes its own probe chose (the same probe the bench ran first: same
+    seed, same weights) and its clock starts at the probe's seconds; --fixed gives it the task's budget, 4 x 4."""
+    res = _run(tmp_path, cache_dir, "--arms", "covrl")
     (task,) = res["tasks"]
     shape, probe = task["arms"]["covrl"]["shape"], task["probe"]["config"]
     assert (shape["prompts"], shape["group"], shape["max_new_tokens"]) == (
         probe["loop.prompts_per_step"], probe["loop.group_size"], probe["sampler.max_new_tokens"])
     assert task["arms"]["covrl"]["evals"][0]["train_clock_s"] == shape["probe_s"] > 0
+    res = _run(tmp_path / "fixed", cache_dir, "--fixed", "--arms", "covrl")
+    (task,) = res["tasks"]
+    assert task["arms"]["covrl"]["shape"] == {"prompts": 4, "group": 4, "max_new_tokens": 4}
+    assert task["arms"]["covrl"]["evals"][0]["train_clock_s"] == 0

@@ -548,3 +548,38 @@ def test_in_flight_weight_updates_between_segments(tiny, cache):
     expected = torch.where(batch.token_versions == 1, recompute(newer, batch, cfg), recompute(model, batch, cfg))
     assert (batch.sampler_logprobs - expected)[mask].abs().max() < LOGPROB_TOL
     sampler.load_weights(model, 0)   # the module's engine back to the fixture's weights for the tests after
+
+
+TWO_CALL_AGENT = '''
+import openai
+
+
+async def run(base_url, api_key, example):
+    """Asks, sends a tool result back, asks again (the second prompt extends the first: one merged row)."""
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": example.plain_prompt}]
+    first = await client.chat.completions.create(model="covrl", messages=messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "tool", "tool_call_id": "call_0", "content": example.answer}]
+    second = await client.chat.completions.create(model="covrl", messages=messages)
+    return float(second.choices[0].message.content.strip() == example.answer)
+'''
+
+
+def test_an_agent_program_trains_through_the_vllm_sampler(tmp_path, cache):
+    """task.agent on sampler.backend=vllm: the agent's chat-completions calls are served by the vLLM engine, the
+    recorded ids and log-probs become rows, and the trainer's fp32 forward reproduces the engine's log-probs
+    (mismatch k3 at the floor on the first step, when the engine holds exactly the trainer's weights)."""
+    pytest.importorskip("openai")
+    (tmp_path / "two_call_agent.py").write_text(TWO_CALL_AGENT)
+    cfg = run_cfg(tmp_path, cache, **{"run.name": "agent-vllm", "task.agent.fn": f"{tmp_path / 'two_call_agent.py'}:run",
+                                      "loop.steps": 2, "eval.after": False, "checkpoint.at_end": False})
+    run = prepare_run(cfg, console=False)
+    try:
+        summary = train_sync(run)
+    finally:
+        run.close()
+    records = read_jsonl(run.run_dir / "metrics.jsonl")
+    assert summary["status"] == "completed" and [r["step"] for r in records] == [1, 2]
+    assert all(r["task/agent_calls"] == 2.0 and r["task/agent_failed"] == 0.0 for r in records)
+    assert records[0]["mismatch/k3"] < 1e-8, records[0]["mismatch/k3"]

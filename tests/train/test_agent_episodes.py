@@ -12,6 +12,7 @@ they carry the kept-set sizes and the replayed ratios are exact; a step waiting 
 from __future__ import annotations
 
 import asyncio
+import json
 import re
 import sys
 import time
@@ -385,6 +386,15 @@ def test_held_out_evaluation_plays_the_agent_greedily(tmp_path):
     assert before["sampled"]["n"] == 6 and before["pass@k"]["n"] == 2 and len(before["pass@k"]["correct_counts"]) == 6
     assert all(0 <= c <= 2 for c in before["pass@k"]["correct_counts"])
     assert evals[1]["greedy"]["n"] == 6 and evals[1]["policy_version"] == 1
+    # `covrl eval` of the run's checkpoint plays the agent too: its greedy episodes are the run's after-evaluation
+    from covrl.cli import main as covrl_main
+
+    out = tmp_path / "eval-cli.json"
+    assert covrl_main(["eval", "--run", str(tmp_path / "agent-eval"), "--out", str(out)]) == 0
+    cli = json.loads(out.read_text())
+    assert cli["agent"] == cfg.task.agent.spec and cli["greedy"]["agent_calls"] == 1.0
+    assert cli["greedy"]["examples"] == evals[1]["greedy"]["examples"]
+    assert cli["greedy"]["accuracy"] == evals[1]["greedy"]["accuracy"]
 
 
 def read_jsonl_evals(path):

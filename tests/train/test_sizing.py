@@ -25,12 +25,16 @@ from covrl.train.run.sinks import read_jsonl
 from covrl.train.run.sizing import (
     ProbeEvidence,
     SizingAdapter,
+    budget_grid,
     choose_group_size,
     choose_max_new_tokens,
     decide,
+    expected_longest,
+    length_budget,
     pooled_prior,
     predicted_constant_fraction,
     prompt_constant_probability,
+    reward_signal,
 )
 
 torch.set_num_threads(1)
@@ -48,8 +52,7 @@ def test_all_prompts_wrong_take_the_smallest_group_and_warn():
     groups = [[0.0] * 4 for _ in range(16)]
     g, predicted, warning = choose_group_size(groups, [4, 8, 16], budget=16, target=0.5)
     mu = 0.5 / 65
-    assert predicted[4] == pytest.approx(math.prod((1 - mu + 4 + t) / (5 + t) for t in range(4))
-                                         + math.prod((mu + t) / (5 + t) for t in range(4)))
+    assert predicted[4] == pytest.approx(math.prod((1 - mu + 4 + t) / (5 + t) for t in range(4)))
     assert predicted[4] > predicted[8] > predicted[16] > 0.98
     assert g == 4 and "no probe sample was correct" in warning
     g, predicted, warning = choose_group_size([[1.0] * 4] * 3, [4, 8, 16], budget=8, target=0.5)
@@ -64,8 +67,8 @@ def test_the_prior_is_pooled_over_the_task_s_prompts():
     groups = [[0.0] * 4 for _ in range(15)] + [[1.0, 0.0, 0.0, 0.0]]
     g, predicted, warning = choose_group_size(groups, [4, 8, 16], budget=16, target=0.5)
     a, b = pooled_prior(groups, (0.5, 0.5))
-    by_hand = (15 * prompt_constant_probability([0.0] * 4, 16, (a, b), True)
-               + prompt_constant_probability([1.0, 0.0, 0.0, 0.0], 16, (a, b), True)) / 16
+    by_hand = (15 * prompt_constant_probability([0.0] * 4, 16, (a, b), True, failing_only=True)
+               + prompt_constant_probability([1.0, 0.0, 0.0, 0.0], 16, (a, b), True, failing_only=True)) / 16
     assert predicted[16] == pytest.approx(by_hand) and predicted[16] > 0.9
     assert g == 16 and "even loop.group_size=16" in warning
 
@@ -74,34 +77,120 @@ def test_half_right_prompts_take_groups_of_four():
     groups = [[1.0, 0.0, 1.0, 0.0] for _ in range(16)]
     g, predicted, warning = choose_group_size(groups, [4, 8, 16], budget=16, target=0.5)
     assert g == 4 and warning is None
-    assert predicted[4] == pytest.approx(2 * math.prod((2.5 + t) / (5 + t) for t in range(4)))
+    assert predicted[4] == pytest.approx(math.prod((2.5 + t) / (5 + t) for t in range(4)))   # all four wrong
+
+
+def test_solved_prompts_do_not_grow_the_group():
+    """A nearly solved task: 12 prompts right 4 of 4, 4 prompts right 3 of 4. Most groups of 4 are constant (the
+    solved ones), but none predicts failing: G = 4 keeps the most prompts per step. Counting every constant group,
+    as a rule that sees only contrast would, asks for the largest G and one prompt a step."""
+    groups = [[1.0] * 4] * 12 + [[1.0, 1.0, 1.0, 0.0]] * 4
+    g, predicted, warning = choose_group_size(groups, [4, 8, 16], budget=16, target=0.5)
+    assert g == 4 and warning is None and predicted[4] < 0.01
+    assert predicted_constant_fraction(groups, 16) > 0.5   # constant, solved
+    assert sizing.failing_fraction(groups) == 0.0 and sizing.failing_fraction([[0.0] * 4, [1.0] * 4]) == 0.5
 
 
 def test_lengths_all_ten_give_sixteen_tokens():
-    tokens, cut, warning = choose_max_new_tokens([10] * 64, cap=128)
-    assert (tokens, cut, warning) == (16, 0.0, None)   # 10 x 1.25 = 12.5 -> a multiple of 8
+    assert length_budget([10] * 64, cap=128) == 16   # 10 x 1.25 = 12.5 -> a multiple of 8
 
 
-def test_short_answers_get_the_floor_and_most_cut_get_the_cap_with_a_warning():
-    assert choose_max_new_tokens([1, 2, 3], cap=128)[0] == 8
-    assert choose_max_new_tokens([1, 2, 3], cap=128, floor=33)[0] == 40   # overlong buffer + 1, rounded up
-    tokens, cut, warning = choose_max_new_tokens([128] * 40 + [20] * 24, cap=128)
-    assert tokens == 128 and cut == pytest.approx(40 / 64) and "reached its budget of 128" in warning
-    # more than 5% cut: the 95th percentile is censored at the cap, no warning below cut_warning
-    tokens, cut, warning = choose_max_new_tokens([128] * 8 + [20] * 56, cap=128)
-    assert tokens == 128 and warning is None
+def test_short_answers_get_the_floor_and_censored_lengths_the_cap():
+    assert length_budget([1, 2, 3], cap=128) == 8
+    assert length_budget([1, 2, 3], cap=128, floor=33) == 40   # overlong buffer + 1, rounded up
+    assert length_budget([128] * 40 + [20] * 24, cap=128) == 128
+    # more than 5% cut: the 95th percentile is censored at the cap
+    assert length_budget([128] * 8 + [20] * 56, cap=128) == 128
 
 
 @settings(max_examples=60, deadline=None)
 @given(st.lists(st.integers(1, 200), min_size=1, max_size=40), st.integers(8, 160), st.data())
-def test_more_cut_samples_never_give_a_smaller_budget(lengths, cap, data):
-    before, cut_before, _ = choose_max_new_tokens(lengths, cap)
+def test_more_cut_samples_never_give_a_smaller_length_budget(lengths, cap, data):
+    before = length_budget(lengths, cap)
     i = data.draw(st.integers(0, len(lengths) - 1))
     longer = list(lengths)
     longer[i] = cap   # one more sample reaches the cap (or one got longer)
-    after, cut_after, _ = choose_max_new_tokens(longer, cap)
-    assert after >= before and cut_after >= cut_before
+    after = length_budget(longer, cap)
+    assert after >= before and sizing.cut_fraction(longer, cap) >= sizing.cut_fraction(lengths, cap)
     assert 1 <= after <= cap and (after % 8 == 0 or after == cap)
+
+
+def test_budget_grid():
+    assert budget_grid(128) == [8, 16, 24, 32, 48, 64, 96, 128]
+    assert budget_grid(100, floor=33) == [40, 48, 64, 96, 100]
+    assert budget_grid(8) == [8] and budget_grid(5) == [5]
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 60), min_size=1, max_size=30), st.integers(1, 70), st.integers(1, 8))
+def test_expected_longest_matches_enumeration(lengths, budget, rollouts):
+    """E[max of R draws of min(L, B)] under the empirical distribution, against the exact sum over every ordered
+    R-tuple of samples (R <= 3) or the one-draw mean."""
+    got = expected_longest(lengths, budget, rollouts)
+    if rollouts == 1:
+        assert got == pytest.approx(sum(min(n, budget) for n in lengths) / len(lengths))
+    if rollouts <= 3 and len(lengths) ** rollouts <= 30_000:
+        tuples = list(itertools.product(lengths, repeat=rollouts))
+        assert got == pytest.approx(sum(min(max(t), budget) for t in tuples) / len(tuples))
+    assert min(min(lengths), budget) - 1e-9 <= got <= min(max(lengths), budget) + 1e-9
+
+
+def test_reward_signal_is_the_mean_unbiased_within_prompt_variance():
+    assert reward_signal([[1.0, 0.0, 1.0, 0.0], [0.0] * 4]) == pytest.approx((4 * 0.25 / 3) / 2)
+    assert reward_signal([[0.5] * 4] * 3) == 0.0 and reward_signal([[1.0]]) == 0.0
+
+
+def test_the_budget_where_answers_fit_wins_over_a_longer_one_with_the_same_contrast():
+    """Correct answers are short (the samples that score do so within 16 tokens), the wrong ones ramble to the cap:
+    16 and 128 tokens give the same contrast, 16 costs an eighth of it; at 8 tokens no answer is complete."""
+    lengths = [12, 128, 12, 128] * 16
+    rewards_at = {8: [[0.0] * 4] * 16, 16: [[1.0, 0.0, 1.0, 0.0]] * 16, 128: [[1.0, 0.0, 1.0, 0.0]] * 16}
+    tokens, table = choose_max_new_tokens(lengths, rewards_at, rollouts=16, overhead=8.0)
+    assert tokens == 16 and table[8]["signal"] == 0.0
+    assert table[16]["cost"] == pytest.approx(8 + 16 - 4 * 0.5 ** 16) and table[128]["cost"] > 130
+    # a budget that adds contrast in proportion to its cost is not worse: ties go to the smaller one
+    rewards_at[128] = [[1.0, 0.0, 1.0, 0.0]] * 16
+    tokens, _ = choose_max_new_tokens([16] * 64, {16: rewards_at[16], 24: rewards_at[128]}, rollouts=4,
+                                      overhead=0.0)
+    assert tokens == 16
+    # no variance at any budget: no choice (decide falls back to the length rule)
+    assert choose_max_new_tokens(lengths, {8: [[0.0] * 4], 16: [[1.0] * 4]}, rollouts=4, overhead=8)[0] is None
+
+
+def test_a_smaller_budget_within_one_standard_error_of_the_best_wins():
+    """Every sample runs past 32 tokens (cost 16 + 8 against 16 + 32). At 32 tokens 12 prompts of 16 have 2 of 4
+    right and 4 have none: signal 1/4, its standard error over the prompts ~0.037, so 8 tokens (signal 0.120, a
+    slightly lower signal per cost) is within one standard error and wins. The same mean signal at 32 with no
+    spread (every prompt 1 of 4 right) is a clear best and wins."""
+    lengths = [200] * 64
+    two, one, none = [1.0, 1.0, 0.0, 0.0], [1.0, 0.0, 0.0, 0.0], [0.0] * 4
+    short = [two] * 5 + [one] + [none] * 10
+    noisy = [two] * 12 + [none] * 4
+    tokens, table = choose_max_new_tokens(lengths, {8: short, 32: noisy}, rollouts=16, overhead=16.0)
+    assert table[8]["signal"] == pytest.approx((5 / 3 + 1 / 4) / 16) and table[32]["signal"] == pytest.approx(0.25)
+    assert table[32]["signal_se"] == pytest.approx(sizing.standard_error([1 / 3] * 12 + [0.0] * 4))
+    assert table[8]["signal_per_cost"] < table[32]["signal_per_cost"] and tokens == 8
+    assert choose_max_new_tokens(lengths, {8: short, 32: [one] * 16}, rollouts=16, overhead=16.0)[0] == 32
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(1, 64), min_size=4, max_size=24), st.data())
+def test_budget_choice_properties(lengths, data):
+    """The chosen budget is one of the candidates, no larger than the one with the best signal per cost, and
+    within one standard error of it; scaling every reward by c > 0 (every signal and its error by c^2) does not
+    change it."""
+    budgets = [8, 16, 32, 64]
+    rewards_at = {b: [[float(data.draw(st.integers(0, 1))) for _ in range(4)] for _ in range(3)] for b in budgets}
+    tokens, table = choose_max_new_tokens(lengths, rewards_at, rollouts=4, overhead=4.0)
+    if tokens is None:
+        assert all(row["signal"] == 0 for row in table.values())
+        return
+    best = max(table, key=lambda b: (table[b]["signal_per_cost"], -b))
+    assert tokens in budgets and tokens <= best
+    assert table[tokens]["signal_per_cost"] >= (table[best]["signal"] - table[best]["signal_se"]) / table[best][
+        "cost"] - 1e-12
+    scaled = {b: [[3.0 * r for r in g] for g in groups] for b, groups in rewards_at.items()}
+    assert choose_max_new_tokens(lengths, scaled, rollouts=4, overhead=4.0)[0] == tokens
 
 
 def _urn_constant(counts: dict, g: int, alpha: float | None, prior=(0.5, 0.5)) -> float:
@@ -159,8 +248,11 @@ def test_constant_fraction_goes_down_with_the_group_and_non_binary_rewards_use_t
 
 
 def test_decide_fills_only_the_auto_fields():
-    evidence = ProbeEvidence(lengths=[10] * 64, cap=128, rewards=[[1.0, 0.0, 1.0, 0.0]] * 16,
-                             correct=[[True, False, True, False]] * 16)
+    # every answer ends at 10 tokens: 16 and 128 tokens give the same samples at the same cost, 8 cuts them all
+    half = [[1.0, 0.0, 1.0, 0.0]] * 16
+    evidence = ProbeEvidence(lengths=[10] * 64, cap=128, rewards=half, correct=[[True, False, True, False]] * 16,
+                             rewards_at={8: [[0.0] * 4] * 16, 16: half}, correct_at={8: [[False] * 4] * 16,
+                                                                                       16: [[True, False] * 2] * 16})
     cfg = load_config(None, ["sampler.max_new_tokens=auto", "loop.group_size=auto", "loop.prompts_per_step=auto",
                              "sizing.rollouts_per_step=32"])
     assert decide(evidence, cfg).resolved == {"sampler.max_new_tokens": 16, "loop.group_size": 4,
@@ -186,13 +278,16 @@ def test_graded_rewards_without_a_correct_sample_are_sized_with_a_warning():
 # ---------------------------------------------------------------------------------------- the config
 
 
-def test_auto_config_checks_instead_of_filling_in():
+def test_auto_config_loads_and_is_resolved_later():
     cfg = load_config(None, ["loop.group_size=auto", "sampler.max_new_tokens=auto"])
     assert cfg.loop.group_size == "auto" and cfg.sampler.max_new_tokens == "auto" and cfg.loop.prompts_per_step == 8
     with pytest.raises(ValueError, match="loop.group_size=auto is not resolved yet"):
         _ = cfg.loop.rollouts_per_step
-    with pytest.raises(ConfigError, match=r"loop.group_size=auto is sized by a probe .* loop.mode=async"):
-        load_config(None, ["loop.group_size=auto", "loop.mode=async"])
+    # where no probe runs (here the async loop), auto takes the fallback numbers: the config loads, checked with them
+    unsized = load_config(None, ["loop.group_size=auto", "loop.mode=async"])
+    assert sizing.unsizable_reason(unsized) == "loop.mode=async"
+    assert sizing.fallback_sizes(unsized) == {"loop.group_size": 4}
+    assert sizing.fixed_sizes(unsized).loop.rollouts_per_step == 32 and sizing.unsizable_reason(cfg) is None
     with pytest.raises(ConfigError, match="sampler.max_new_tokens"):
         load_config(None, ["sampler.max_new_tokens=automatic"])
     with pytest.raises(ConfigError, match="sizing.group_sizes must be distinct"):
@@ -218,7 +313,7 @@ def test_auto_run_writes_sizing_json_and_a_resolved_config(tmp_path):
     assert resolved.loop.group_size in (4, 8, 16) and resolved.loop.rollouts_per_step <= 16
     assert 8 <= resolved.sampler.max_new_tokens <= record["evidence"]["cap"] <= 24
     assert record["evidence"]["prompts"] == 16 and record["evidence"]["samples_per_prompt"] == 4
-    assert set(record["predicted_constant"]) == {"4", "8", "16"}
+    assert set(record["predicted_failing"]) == {"4", "8", "16"}
     assert summary["sizing"]["config"] == record["config"]
     assert summary["session_time_split_s"]["probe"] == pytest.approx(record["time/probe_s"])
     assert record["time/probe_s"] > 0
@@ -244,6 +339,21 @@ def test_typed_values_are_never_changed(tmp_path):
     assert all(r["response/at_max_frac"] > 0.01 for r in records)   # would have adapted an auto budget
 
 
+def test_a_run_without_a_probe_takes_the_fallback_sizes_and_says_so(tmp_path, capsys):
+    from covrl.train.asyncrl.source import prepare_async_run
+
+    cfg = tiny_cfg(tmp_path, **{"run.name": "unsized", **AUTO, "loop.mode": "async"})
+    run = prepare_async_run(cfg, console=False)
+    try:
+        assert (run.cfg.sampler.max_new_tokens, run.cfg.loop.group_size, run.cfg.loop.prompts_per_step) == (16, 4, 4)
+        assert run.sizing_adapter is None and not (tmp_path / "unsized" / "sizing.json").exists()
+        assert load_config(tmp_path / "unsized" / "config.yaml").loop.rollouts_per_step == 16
+    finally:
+        run.close()
+    err = capsys.readouterr().err
+    assert "this run has loop.mode=async: sampler.max_new_tokens=16, loop.group_size=4, loop.prompts_per_step=4" in err
+
+
 def _adapter(max_new_tokens=16, cap=64, **sizing_over):
     over = ["sampler.max_new_tokens=auto"] + [f"sizing.{k}={v}" for k, v in sizing_over.items()]
     cfg = sizing.resolve_config(load_config(None, over), {"sampler.max_new_tokens": max_new_tokens})
@@ -254,13 +364,14 @@ def _adapter(max_new_tokens=16, cap=64, **sizing_over):
     return SizingAdapter(run, cap=cap), run, messages
 
 
-def test_adapter_grows_the_budget_after_k_cut_steps_up_to_the_cap_and_says_so_once():
+def test_adapter_grows_the_budget_after_k_cut_steps_without_contrast_up_to_the_cap_and_says_so_once():
     adapter, run, messages = _adapter(adapt_steps=2, adapt_cut_rate=0.5)
     seen = []
-    for step, frac in enumerate([0.9, 0.1, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9, 0.9], start=1):
+    for step, cut in enumerate([1, 0, 1, 1, 1, 1, 1, 1, 1, 1], start=1):
         run.step = step
-        record = {"response/at_max_frac": frac}
-        adapter.observe(record)
+        record = {}
+        # every answer wrong, no contrast: the cut answers cost the step its signal
+        adapter.observe(record, _groups_batch([[0.0] * 4] * 4, cut=bool(cut)))
         seen.append(record["sizing/max_new_tokens"])
     assert seen == [16, 16, 16, 24, 24, 40, 40, 64, 64, 64]   # x1.5 rounded up to 8, capped at 64
     assert run.cfg.sampler.max_new_tokens == run.task.response_budget == 64
@@ -268,6 +379,15 @@ def test_adapter_grows_the_budget_after_k_cut_steps_up_to_the_cap_and_says_so_on
     fresh, fresh_run, _ = _adapter(adapt_steps=2, adapt_cut_rate=0.5)
     fresh.load_state_dict(adapter.state_dict())
     assert fresh_run.cfg.sampler.max_new_tokens == 64 and fresh.state_dict() == adapter.state_dict()
+    # cut steps whose groups still carry contrast (half constant, target 50%): the budget the probe chose stays
+    adapter, run, messages = _adapter(adapt_steps=2, adapt_cut_rate=0.5)
+    mixed = _groups_batch([[1.0, 0.0, 0.0, 0.0], [0.0] * 4, [1.0, 1.0, 0.0, 0.0], [0.0] * 4], cut=True)
+    # or cut steps whose groups are constant because every answer is right: the budget is enough to score
+    solved = _groups_batch([[1.0] * 4] * 4, cut=True)
+    for step in range(1, 7):
+        run.step = step
+        adapter.observe({}, mixed if step % 2 else solved)
+    assert run.cfg.sampler.max_new_tokens == 16 and adapter.changes == [] and messages == []
 
 
 def _group_adapter(group_size=4, **sizing_over):
@@ -279,18 +399,22 @@ def _group_adapter(group_size=4, **sizing_over):
     return SizingAdapter(run, cap=64, tokens=False, groups=True), run, messages
 
 
-def _groups_batch(groups):
-    """A step's scored rollouts as the adapter reads them: one reward per rollout, the group of each."""
+def _groups_batch(groups, cut: bool = False):
+    """A step's scored rollouts as the adapter reads them: one reward per rollout, the group of each, responses of
+    one token or (cut) of 200, beyond any budget of these tests."""
     rewards = [r for g in groups for r in g]
     ids = [i for i, g in enumerate(groups) for _ in g]
-    return SimpleNamespace(sequence_rewards=torch.tensor(rewards), group_ids=torch.tensor(ids))
+    mask = torch.zeros(len(rewards), 200)
+    mask[:, : 200 if cut else 1] = 1
+    return SimpleNamespace(sequence_rewards=torch.tensor(rewards), group_ids=torch.tensor(ids), response_mask=mask,
+                           correct=None)
 
 
 def test_group_adapter_applies_the_probe_rule_to_each_window_of_steps_and_keeps_the_rollouts():
     # pass rate ~1/8, groups of 4: most groups constant, the rule (target 50%) asks for larger groups
     sparse = [[1.0, 0.0, 0.0, 0.0]] + [[0.0] * 4] * 3
     adapter, run, messages = _group_adapter(adapt_group_steps=2)
-    expected = predicted_constant_fraction(sparse * 2, 8)
+    expected = predicted_constant_fraction(sparse * 2, 8, failing_only=True)
     seen = []
     for step in range(1, 5):
         run.step = step
@@ -300,9 +424,9 @@ def test_group_adapter_applies_the_probe_rule_to_each_window_of_steps_and_keeps_
     g1, _, _ = choose_group_size(sparse * 2, [4, 8, 16], 16, 0.5)
     assert seen[0] == (4.0, 4.0) and seen[1] == (float(g1), 16.0 / g1) and g1 > 4
     assert run.cfg.loop.rollouts_per_step == 16 and run.cfg.loop.group_size * run.cfg.loop.prompts_per_step == 16
-    assert adapter.group_changes[0] == {"step": 2, "from": 4, "to": g1, "constant_seen": 0.75,
-                                        "predicted_constant": pytest.approx(predicted_constant_fraction(
-                                            sparse * 2, g1))}
+    assert adapter.group_changes[0] == {"step": 2, "from": 4, "to": g1, "failing_seen": 0.75,
+                                        "predicted_failing": pytest.approx(predicted_constant_fraction(
+                                            sparse * 2, g1, failing_only=True))}
     assert expected > 0 and len(messages) == 1 and "loop.group_size 4 -> " in messages[0]
     # contrast in every group of 16: the rule goes back to the smallest G that meets the target
     adapter, run, _ = _group_adapter(group_size=16, adapt_group_steps=1)
@@ -324,7 +448,7 @@ def test_a_typed_group_shape_is_never_adapted(tmp_path):
     run = SimpleNamespace(cfg=cfg, register=lambda *a: None)
     adapter = sizing.attach_adapter(run, {"auto": ["sampler.max_new_tokens"], "evidence": {"cap": 64}})
     assert adapter.tokens and not adapter.groups
-    record = {"response/at_max_frac": 0.0}
+    record = {}
     adapter.observe(record, _groups_batch([[0.0] * 4] * 4))
     assert "sizing/group_size" not in record and cfg.loop.group_size == 8
 
@@ -357,6 +481,10 @@ def test_resume_after_the_probe_does_not_probe_again_and_is_exact(tmp_path, monk
     start = json.loads((tmp_path / "split" / "sizing.json").read_text())["resolved"]["sampler.max_new_tokens"]
     budgets = [r["sizing/max_new_tokens"] for r in a]
     assert start < budgets[0] < budgets[1]   # both changes before the checkpoint the run resumes from
+    # evaluations stay at the budget the probe chose (before and after compare), training goes on at its own
+    evals = json.loads((tmp_path / "split" / "eval.json").read_text())["evals"]
+    assert evals and all(e["settings"]["max_new_tokens"] == start for e in evals)
+    assert resumed.cfg.sampler.max_new_tokens == budgets[-1] > start
     assert resumed.sizing_adapter.changes == straight.sizing_adapter.changes
     assert resumed.sizing_adapter.group_changes == straight.sizing_adapter.group_changes
     shapes = [(r["sizing/group_size"], r["sizing/prompts_per_step"]) for r in a]

@@ -66,6 +66,7 @@ from covrl.train import (
     truncation_replay,
 )
 from covrl.train import load_state as load_checkpoint_state
+from covrl.train.run.sizing import fixed_sizes
 
 STATE_KEY = "api"
 SNAPSHOT_DIR = "sampler"   # <state_dir>/sampler/checkpoints/<name>/: weights saved for sampling later
@@ -135,7 +136,7 @@ class TrainingClient:
         `.stream` are there for the loop. `lora_after_warmup`: the warm-up trains the full model (the stand-in
         for a pretrained base model) and the LoRA adapters are added after it (`covrl train` warms up the
         adapters only); the Tinker facade uses this."""
-        cfg = resolve_config(config, overrides)
+        cfg = fixed_sizes(resolve_config(config, overrides))   # a client has no run to probe: auto -> fallback
         lora = cfg.model.lora if lora_after_warmup and warmup and cfg.sft_warmup.steps > 0 else None
         if lora is not None:
             cfg = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})

@@ -28,6 +28,7 @@ from covrl.models import LoraConfig
 from covrl.models.loading import apply_lora
 from covrl.train import DataStream, TrainConfig, build_components
 from covrl.train.run.components import seed_everything
+from covrl.train.run.sizing import fixed_sizes
 from covrl.train.run.threads import apply_num_threads
 
 
@@ -51,7 +52,7 @@ class SharedBase:
 def build_shared_base(cfg: TrainConfig, *, warmup: bool) -> SharedBase:
     """The base model of `cfg` (its `model.lora` ignored), built and warmed up as `from_config(cfg, warmup=warmup,
     lora_after_warmup=True)` does, with every parameter frozen."""
-    plain = cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})})
+    plain = fixed_sizes(cfg.model_copy(update={"model": cfg.model.model_copy(update={"lora": None})}))
     c = build_components(plain)
     sft = c.warm_up() if warmup else {}
     for p in c.model.parameters():

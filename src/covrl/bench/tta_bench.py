@@ -6,8 +6,9 @@ Per task and seed, first covrl's sampler probe (covrl.train.run.sizing.probe_rec
 in its own process, stepped alternately (one step each in turn, the order rotated every round, so load on a
 shared machine hits every arm alike) until each has spent `--budget-s` seconds of training time:
 
-    covrl      configs/default.yaml + the task (its budget from covrl.bench.tta_suite); `--auto`: the three
-               fields auto, the run's own probe counted on its clock
+    covrl      configs/default.yaml + the task: sampler.max_new_tokens, loop.group_size and
+               loop.prompts_per_step auto (the default), the run's own probe counted on its clock; `--fixed`: the
+               task's budget from covrl.bench.tta_suite and 4 prompts x 4 instead
     trl        TRL's GRPOTrainer as a fixed configuration: 2 prompts x 8 completions, the probe's
                max_new_tokens, lr 1e-5 constant, token-mean clipped loss (clip 0.2 / 0.28), no KL, one update
                per batch (covrl.bench.trl_side.grpo_config)
@@ -17,7 +18,7 @@ Training time is the wall seconds of the steps (generation, reward, update, sync
 evaluator for every arm: covrl's HF sampler, greedy, the task's first `--eval-prompts` held-out prompts, at the
 probe's max_new_tokens, before training, every `--eval-interval-s` of training time and at the budget.
 
-Results (never tracked files unless --update-baseline): runs/bench/tta-<model>[-auto][-quick]/<cpu>.json, the
+Results (never tracked files unless --update-baseline): runs/bench/tta-<model>[-fixed][-quick]/<cpu>.json, the
 table <cpu>.md and the accuracy curves <cpu>.png."""
 
 from __future__ import annotations
@@ -40,6 +41,7 @@ from covrl.bench.tta_suite import TASKS, materialise
 ARMS = ("covrl", "trl", "trl_sized")
 TRL_FIXED = {"n_prompts": 2, "group_size": 8, "learning_rate": 1e-5}   # the `trl` arm, whatever the probe says
 AUTO_SIZES = {"sampler.max_new_tokens": "auto", "loop.group_size": "auto", "loop.prompts_per_step": "auto"}
+FIXED_SHAPE = {"loop.prompts_per_step": 4, "loop.group_size": 4}   # --fixed: the sizes of the default before auto
 # --quick: the tiny model, one task, a small probe and a few seconds per arm (a smoke test, not a measurement)
 QUICK_SIZING = {"sizing.probe_prompts": 4, "sizing.probe_samples": 2, "sizing.probe_max_new_tokens": 8}
 QUICK_TRL_STEPS = 200
@@ -51,8 +53,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--tasks", default=",".join(TASKS), help="comma-separated: " + ", ".join(TASKS))
     parser.add_argument("--seeds", default="0", help="comma-separated run seeds")
     parser.add_argument("--arms", default=",".join(ARMS), help="comma-separated, of: " + ", ".join(ARMS))
-    parser.add_argument("--auto", action="store_true", help="covrl's arm sizes itself from its probe (sampler."
-                        "max_new_tokens, loop.group_size, loop.prompts_per_step = auto)")
+    parser.add_argument("--fixed", action="store_true", help="covrl's arm at the task's budget of the suite and "
+                        "4 prompts x 4, instead of the default's sizes from its own probe (auto)")
     parser.add_argument("--budget-s", type=float, default=150.0, help="training seconds per arm, task and seed")
     parser.add_argument("--eval-interval-s", type=float, default=None, help="evaluate every this many training "
                         "seconds (default: half the budget)")
@@ -68,8 +70,8 @@ def configure(parser: argparse.ArgumentParser) -> None:
 
 def arm_config(model: str, cache_dir: str, task_overrides: dict, budget: int, seed: int, threads: int,
                auto: bool, extra: dict | None = None):
-    """covrl's run of the bench: configs/default.yaml + the task + its budget (or auto) on the cached model folder
-    TRL loads too, evaluations, checkpoints and console off."""
+    """covrl's run of the bench: configs/default.yaml + the task with auto sizes (or its budget and 4 x 4) on the
+    cached model folder TRL loads too, evaluations, checkpoints and console off."""
     from covrl.bench.models import model_dir
     from covrl.config import load_preset
 
@@ -78,7 +80,7 @@ def arm_config(model: str, cache_dir: str, task_overrides: dict, budget: int, se
                  **{f"task.{k}": v for k, v in default_task_overrides(model).items()},
                  "run.seed": seed, "run.num_threads": threads, "eval.before": False, "eval.after": False,
                  "checkpoint.at_end": False, "logging.console": False, "logging.curves": False,
-                 **(AUTO_SIZES if auto else {}), **(extra or {})}
+                 **(AUTO_SIZES if auto else FIXED_SHAPE), **(extra or {})}
     return load_preset("default", overrides)
 
 
@@ -235,9 +237,9 @@ def run_task(name: str, seed: int, args, arms: tuple[str, ...], data_dir: Path, 
     specs: dict[str, tuple] = {}
     shapes: dict[str, dict] = {}
     if "covrl" in arms:
-        cfg = arm_config(model, cache_dir, overrides, budget, seed, threads, auto=args.auto, extra=extra)
+        cfg = arm_config(model, cache_dir, overrides, budget, seed, threads, auto=not args.fixed, extra=extra)
         specs["covrl"] = ("covrl", cfg, eval_settings(model, cache_dir, threads, seed, tokens, args, task_dump))
-        shapes["covrl"] = ({"prompts": "auto", "group": "auto", "max_new_tokens": "auto"} if args.auto else
+        shapes["covrl"] = ({"prompts": "auto", "group": "auto", "max_new_tokens": "auto"} if not args.fixed else
                            {"prompts": cfg.loop.prompts_per_step, "group": cfg.loop.group_size,
                             "max_new_tokens": budget})
     trl_shapes = {"trl": {**TRL_FIXED}, "trl_sized": {"n_prompts": prompts, "group_size": group,
@@ -251,12 +253,12 @@ def run_task(name: str, seed: int, args, arms: tuple[str, ...], data_dir: Path, 
     model_dir(model, cache_dir)   # written once, before the workers race for it
     out = run_arms(specs, progress=progress)
     result = {"task": name, "seed": seed, "description": TASKS[name].description, "eval_max_new_tokens": tokens,
-              "probe": {k: probe[k] for k in ("config", "evidence", "predicted_constant", "warnings",
+              "probe": {k: probe[k] for k in ("config", "evidence", "predicted_failing", "warnings",
                                               "time/probe_s", "time/probe_cpu_s")},
               "arms": {}}
     for arm in specs:
         summary = arm_summary(out["ready"][arm], out["records"][arm])
-        if arm == "covrl" and args.auto:
+        if arm == "covrl" and not args.fixed:
             sizes = out["ready"][arm]["sizes"]
             shapes[arm] = {"prompts": sizes["prompts_per_step"], "group": sizes["group_size"],
                            "max_new_tokens": sizes["max_new_tokens"], "probe_s": out["ready"][arm]["probe_s"]}
@@ -282,8 +284,8 @@ def table(results: list[dict], args) -> str:
             rows.append(f"| {r['task']} | {r['seed']} | {probe} | {arm} | {s['prompts']} x {s['group']}, "
                         f"{s['max_new_tokens']} | {a['accuracy_before']:.0%} | {evals} | "
                         f"**{a['final_accuracy']:.0%}** | {a['steps']} | {a['mean_step_s']:.1f} | {constant} |")
-    covrl = "covrl: configs/default.yaml + the task" + (" with auto sizes (its probe on its clock)" if args.auto
-                                                          else " at its budget")
+    covrl = "covrl: configs/default.yaml + the task" + (" at its budget, 4 x 4" if args.fixed
+                                                          else " with auto sizes (its probe on its clock)")
     return ("\n".join(rows) + f"\n\n{covrl}; trl: TRL GRPOTrainer 2 x 8, the probe's budget, lr 1e-5; trl_sized: "
             f"TRL with the probe's sizes. Model {args.model}, {args.threads} thread(s) per arm, {args.budget_s:.0f} s "
             f"of training (wall, steps only) per arm; greedy on {args.eval_prompts} held-out prompts at the probe's "
@@ -351,7 +353,7 @@ def run(args: argparse.Namespace) -> int:
     settings = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
     payload = {"source": git_state(), "settings": settings, "trl_fixed": TRL_FIXED, "tasks": results,
                "load_before": load_before, "load_after": os.getloadavg(), "wall_s": time.perf_counter() - t0}
-    name = f"tta-{args.model}" + ("-auto" if args.auto else "") + ("-quick" if args.quick else "")
+    name = f"tta-{args.model}" + ("-fixed" if args.fixed else "") + ("-quick" if args.quick else "")
     finals = {arm: sum(r["arms"][arm]["final_accuracy"] for r in results) / len(results) for arm in arms}
     headline = (f"mean final greedy over {len(results)} task x seed, {args.budget_s:.0f} s each: "
                 + ", ".join(f"{arm} {v:.0%}" for arm, v in finals.items()))

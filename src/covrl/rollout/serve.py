@@ -86,6 +86,8 @@ class GenerateServer:
         self._httpd = _HTTPServer(("127.0.0.1", 0), self._handler())
         self._httpd.daemon_threads = True
         self.port = int(self._httpd.server_address[1])
+        # a new thread starts at OpenMP's default thread count, not its creator's: the batcher adopts this one
+        self._torch_threads = torch.get_num_threads()
         self._threads = [threading.Thread(target=self._httpd.serve_forever, name="covrl-generate-http", daemon=True),
                          threading.Thread(target=self._batch_loop, name="covrl-generate-batcher", daemon=True)]
         for t in self._threads:
@@ -145,6 +147,10 @@ class GenerateServer:
         return item.result
 
     def _batch_loop(self) -> None:
+        # generate with the creating thread's count, as the run's numbers and vLLM's CPU attention (which checks
+        # it against the engine's) expect; torch._C's setter, since vLLM's CPU worker turns torch.set_num_threads
+        # into a no-op once its engine runs
+        torch._C.set_num_threads(self._torch_threads)
         while not self._stop.is_set():
             try:
                 first = self._queue.get(timeout=0.2)

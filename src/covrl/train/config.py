@@ -23,7 +23,7 @@ from covrl.train.asyncrl.config import AsyncLoopConfig
 from covrl.train.parallel.wrappers import TrainerConfig
 from covrl.train.run.alarm import SyncAlarmConfig
 from covrl.train.run.selection import SelectionConfig
-from covrl.train.run.sizing import AUTO, SizingConfig, check_sizable
+from covrl.train.run.sizing import AUTO, SizingConfig, fallback_sizes
 from covrl.train.run.threads import check_num_threads
 from covrl.train.step.batch_scaling import BatchScalingConfig
 from covrl.train.step.lr_surge import LengthSurgeConfig
@@ -273,6 +273,11 @@ class LoggingConfig(Section):
         "docs/performance.md)")
 
 
+def fallback_sizes_of(cfg: TrainConfig, section: str) -> dict[str, int]:
+    """The fallback numbers of `section`'s auto fields (a run without a probe), by field name."""
+    return {k.split(".")[1]: v for k, v in fallback_sizes(cfg).items() if k.startswith(section + ".")}
+
+
 class TrainConfig(Section):
     """A whole training run. Sections: run, model, task, sampler, algorithm, correction, kl, optim, lr_surge,
     loop, eval, checkpoint, sft_warmup, logging, async_loop, batch_scaling, trainer, sync_alarm, distill, selection,
@@ -313,7 +318,6 @@ class TrainConfig(Section):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrainConfig:
-        check_sizable(self)   # auto fields: before the checks below, which skip them
         if self.selection.strategy != "uniform" and (self.loop.mode != "sync" or self.loop.dynamic_sampling):
             raise ValueError(f"selection.strategy={self.selection.strategy!r} runs in the sync loop without "
                              "loop.dynamic_sampling (the async pools and dynamic sampling draw the stream "
@@ -333,9 +337,10 @@ class TrainConfig(Section):
             if why:
                 raise ValueError(f"algorithm.advantage={self.algorithm.advantage} normalises each reward term of "
                                  f"every rollout, and this run has no per-term rewards: {why}")
-        if self.loop.mode != "sync":
-            self.async_loop.check_against(prompts_per_step=self.loop.prompts_per_step,
-                                          group_size=self.loop.group_size, sync_every=self.sampler.sync_every)
+        if self.loop.mode != "sync":   # auto sizes take their fallback numbers there (no probe): checked with them
+            loop = self.loop.model_copy(update=fallback_sizes_of(self, "loop"))
+            self.async_loop.check_against(prompts_per_step=loop.prompts_per_step,
+                                          group_size=loop.group_size, sync_every=self.sampler.sync_every)
         if self.trainer.parallel != "none" and self.loop.mode == "ray" and not self.async_loop.trainer_actor:
             raise ValueError("loop.mode=ray with trainer.parallel runs the trainer ranks as Ray actors "
                              "(trainer.world_size of them): async_loop.trainer_actor=false is for one trainer")
@@ -372,8 +377,9 @@ class TrainConfig(Section):
             raise ValueError("batch_scaling.scale_lr=true needs batch_scaling.base_batch_rollouts (the rollouts "
                              "per step at which optim.lr was tuned)")
         if self.batch_scaling.scale_lr and self.batch_scaling.rule == "sqrt_momentum":
-            queue = self.async_loop.queue_rollouts(self.loop.rollouts_per_step)
-            need = max(self.batch_scaling.base_batch_rollouts, self.loop.rollouts_per_step)
+            rollouts = self.loop.model_copy(update=fallback_sizes_of(self, "loop")).rollouts_per_step
+            queue = self.async_loop.queue_rollouts(rollouts)
+            need = max(self.batch_scaling.base_batch_rollouts, rollouts)
             if self.loop.mode == "sync" or queue < need:
                 raise ValueError(f"batch_scaling.rule=sqrt_momentum corrects for momentum at the async queue's lag: "
                                  f"it needs loop.mode=async/ray and a queue of >= {need} rollouts (one step at both "

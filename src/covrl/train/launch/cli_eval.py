@@ -74,11 +74,14 @@ def run(args: argparse.Namespace) -> int:
     from covrl.models import ModelNotFoundError, load_model
     from covrl.rollout import build_sampler
     from covrl.tasks import UserCodeError, build_task
+    from covrl.train.run.agent_source import evaluation_player
     from covrl.train.run.checkpoint import CheckpointError, load_model_weights
     from covrl.train.run.components import resolve_device, seed_everything
     from covrl.train.run.evaluate import evaluate
+    from covrl.train.run.sizing import fixed_sizes
     from covrl.train.run.threads import apply_num_threads
 
+    cfg = fixed_sizes(cfg)   # a config with auto sizes (not a run folder's): the fallback numbers
     apply_num_threads(cfg)
     seed_everything(cfg.run.seed)
     try:
@@ -89,14 +92,23 @@ def run(args: argparse.Namespace) -> int:
         task = build_task(cfg.task, response_budget=cfg.sampler.max_new_tokens)
         sampler = build_sampler(cfg.sampler, model, tokenizer)
         examples = task.eval[: cfg.eval.max_prompts] if cfg.eval.max_prompts else task.eval
-        result = evaluate(sampler, task, tokenizer, examples, seed=cfg.run.seed + 17, greedy=True,
-                          sampled=not args.no_sampled)
+        # an agent run is evaluated as it trained: its agent program plays the held-out prompts
+        player = evaluation_player(cfg, sampler, tokenizer, task) if cfg.task.agent.enabled else None
+        try:
+            result = evaluate(sampler, task, tokenizer, examples, seed=cfg.run.seed + 17, greedy=True,
+                              sampled=not args.no_sampled,
+                              agent=player.evaluate_episodes if player is not None else None)
+        finally:
+            if player is not None:
+                player.close()
     # a missing model, file or extra, a bad name or value, a reward function that keeps failing
     except (ModelNotFoundError, CheckpointError, ValueError, FileNotFoundError, MissingExtraError,
             UserCodeError) as err:
         return user_error("covrl eval", err)
     result["weights"] = str(weights)
     result["task"] = cfg.task.name
+    if cfg.task.agent.enabled:
+        result["agent"] = cfg.task.agent.spec
     st = result["settings"]
     accs = ", ".join(f"{m} {result[m]['accuracy']:.1%}" for m in ("greedy", "sampled") if m in result)
     print(f"{weights}: task {cfg.task.name}, {st['n_prompts']} held-out prompts: {accs} "

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import replace
+from types import SimpleNamespace
 from typing import Any
 
 import torch
@@ -28,7 +29,7 @@ from covrl.train.faults import fault_point
 from covrl.train.run.sources import SourceBatch, SyncSource, choose_prompts
 
 __all__ = ["AgentPlayer", "AgentSource", "attach_agent", "count_failures", "episode_rewards",
-           "score_agent_episodes"]
+           "evaluation_player", "score_agent_episodes"]
 
 
 def _check(cfg) -> None:
@@ -201,6 +202,15 @@ class AgentPlayer:
 
     def summary(self) -> dict[str, Any]:
         return {"agent": {"fn": self.acfg.fn, "command": self.acfg.command, "failed_episodes": self.failures.failures}}
+
+
+def evaluation_player(cfg, sampler, tokenizer, task, *, version: int = 0) -> AgentPlayer:
+    """An AgentPlayer outside a run (`covrl eval` of an agent run's checkpoint): `evaluate_episodes` plays the
+    config's agent on held-out prompts against `sampler`, which holds the weights of `version`."""
+    holder = SimpleNamespace(cfg=cfg, sampler=sampler, tokenizer=tokenizer, task=task,
+                             generator=torch.Generator().manual_seed(cfg.run.seed),
+                             trainer=SimpleNamespace(version=version))
+    return AgentPlayer(holder)
 
 
 def attach_agent(run) -> AgentPlayer:

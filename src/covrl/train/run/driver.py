@@ -52,6 +52,8 @@ AT_MAX_WARNING = 0.5   # warn once when this fraction of a step's responses ends
 
 def _warn_cut_answers(run: Run, record: dict[str, Any]) -> None:
     frac = record.get("response/at_max_frac", 0.0)
+    if run.sizing_adapter is not None and run.sizing_adapter.tokens:
+        return   # a sized budget cuts on purpose; the adapter grows it when the cut steps lack contrast
     if frac >= AT_MAX_WARNING and not run.warned_cut and run.step >= 2:
         run.warned_cut = True
         run.message(f"step {run.step}: {frac:.0%} of the responses end at sampler.max_new_tokens="

@@ -19,6 +19,7 @@ import os
 import shutil
 import sys
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -181,10 +182,12 @@ class Run:
         ecfg = self.cfg.eval
         examples = self.task.eval[: ecfg.max_prompts] if ecfg.max_prompts else self.task.eval
         t0 = time.perf_counter()
-        result = evaluate(self.sampler, self.task, self.tokenizer, examples, seed=self.cfg.run.seed + 17,
-                          greedy=ecfg.greedy, sampled=ecfg.sampled, pass_k=ecfg.pass_at_k,
-                          pass_samples=ecfg.pass_at_k_samples,
-                          agent=self.agent.evaluate_episodes if self.agent is not None else None)
+        budget = self.sizing_adapter.evaluation_budget() if self.sizing_adapter is not None else nullcontext()
+        with budget:   # a sized run evaluates at the budget its probe chose, whatever the training budget is now
+            result = evaluate(self.sampler, self.task, self.tokenizer, examples, seed=self.cfg.run.seed + 17,
+                              greedy=ecfg.greedy, sampled=ecfg.sampled, pass_k=ecfg.pass_at_k,
+                              pass_samples=ecfg.pass_at_k_samples,
+                              agent=self.agent.evaluate_episodes if self.agent is not None else None)
         self.add_time("eval", time.perf_counter() - t0)
         result.update({"label": label, "step": self.step, "rollouts": self.trainer.rollouts,
                        "policy_version": self.trainer.version})
