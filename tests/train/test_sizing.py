@@ -492,3 +492,20 @@ def test_resume_after_the_probe_does_not_probe_again_and_is_exact(tmp_path, monk
     print("group shapes of the 4 steps:", shapes)
     for (ka, va), (kb, vb) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
         assert ka == kb and torch.equal(va, vb), ka
+
+
+def test_the_experiment_harness_adapts_an_auto_run_as_the_loop_does(tmp_path):
+    """An auto-sized arm stepped by covrl.experiment (the benches' and studies' driver) feeds each step's groups
+    to the sizing adapter: with a window of one step, the group shape is re-chosen after every step."""
+    from covrl.experiment import Arm, ArmRunner
+
+    over = {"run.name": "arm", **AUTO, "sizing.adapt_group_steps": 1, "sizing.rollouts_per_step": 8,
+            "sizing.group_sizes": [2, 4, 8], "eval.before": False, "eval.after": False}
+    with ArmRunner(Arm(tiny_cfg(tmp_path, **over), tmp_path / "arm")) as runner:
+        adapter = runner.run.sizing_adapter
+        assert adapter is not None and adapter.groups
+        for _ in range(2):
+            step = runner.step()
+            assert len(step.batch) == 8
+        assert adapter.window == [] and adapter.window_steps == 0   # each step's window was decided on
+        assert runner.run.cfg.loop.group_size * runner.run.cfg.loop.prompts_per_step == 8
