@@ -1,0 +1,86 @@
+"""Design C's tables and verdict (DESIGN_C.md) from its results: every `studies/tta/runs/C/<task>-s<seed>/` that
+`run_design_c.sh` finished (`covrl bench tta` JSON). Per task: each arm's final greedy accuracy per seed and the
+median, covrl's gain over `trl` (median over seeds), covrl's fraction of constant groups; then the verdict rules
+over the tasks that have all three seeds. Prints markdown; nothing is written.
+
+    python -m studies.tta.report_c
+"""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+RUNS = Path(__file__).resolve().parent / "runs" / "C"
+TASKS = ("add1", "add2", "mul1", "count_letters", "reverse_word", "rg_leg_counting", "rg_gcd", "rg_simple_equations",
+         "rg_spell_backward", "rg_word_sorting", "rg_basic_arithmetic")
+SEEDS = (0, 1, 2)
+ARMS = ("covrl", "trl", "trl_sized")
+
+
+def load(runs: Path = RUNS) -> dict[tuple[str, int], dict]:
+    """(task, seed) -> that run's task result (arms, probe, ...), for every finished task x seed."""
+    out = {}
+    for folder in sorted(runs.glob("*-s[0-9]")):
+        for path in folder.glob("*/*.json"):
+            for result in json.loads(path.read_text())["results"]["tasks"]:
+                out[(result["task"], int(result["seed"]))] = result | {"source": str(path)}
+    return out
+
+
+def pct(x: float | None) -> str:
+    return "-" if x is None else f"{100 * x:.0f}%"
+
+
+def report(results: dict[tuple[str, int], dict]) -> str:
+    rows = ["| task | seeds | " + " | ".join(f"{arm} (per seed: median)" for arm in ARMS)
+            + " | covrl - trl (median) | covrl constant groups (median) |", "|---|---|---|---|---|---|---|"]
+    gains, constants, complete = {}, {}, []
+    for task in TASKS:
+        seeds = [s for s in SEEDS if (task, s) in results]
+        if not seeds:
+            continue
+        cells = []
+        finals = {}
+        for arm in ARMS:
+            per_seed = [results[(task, s)]["arms"].get(arm, {}).get("final_accuracy") for s in seeds]
+            finals[arm] = per_seed
+            known = [x for x in per_seed if x is not None]
+            cells.append(" / ".join(pct(x) for x in per_seed) + (f": **{pct(statistics.median(known))}**"
+                                                                  if known else ""))
+        diffs = [c - t for c, t in zip(finals["covrl"], finals["trl"]) if c is not None and t is not None]
+        gains[task] = statistics.median(diffs) if diffs else None
+        const = [results[(task, s)]["arms"]["covrl"].get("constant_groups") for s in seeds]
+        const = [c for c in const if c is not None]
+        constants[task] = statistics.median(const) if const else None
+        if len(seeds) == len(SEEDS):
+            complete.append(task)
+        gain = "-" if gains[task] is None else f"{100 * gains[task]:+.0f} pts"
+        rows.append(f"| {task} | {', '.join(map(str, seeds))} | " + " | ".join(cells)
+                    + f" | {gain} | {pct(constants[task])} |")
+    lines = ["\n".join(rows), ""]
+    done = [t for t in complete if gains[t] is not None]
+    if len(done) < len(TASKS):
+        lines.append(f"Verdict: not yet: {len(done)} of {len(TASKS)} tasks have all three seeds ({', '.join(done) or 'none'}).")
+    if done:
+        every = all(gains[t] >= 0 for t in done)
+        median_gain = statistics.median(gains[t] for t in done)
+        known = [constants[t] for t in done if constants[t] is not None]
+        lines.append(f"Rule 1 (covrl >= trl on every task, median over seeds) on the complete tasks: "
+                     f"{'holds' if every else 'fails on ' + ', '.join(t for t in done if gains[t] < 0)}.")
+        lines.append(f"Rule 2 (median gain over tasks >= 10 points) on the complete tasks: {100 * median_gain:+.0f} "
+                     f"points, {'holds' if median_gain >= 0.10 else 'fails'}.")
+        if known:
+            lines.append(f"Reported: covrl's constant-group fraction, median over the complete tasks: "
+                         f"{pct(statistics.median(known))}.")
+    return "\n".join(lines)
+
+
+def main() -> int:
+    print(report(load()))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

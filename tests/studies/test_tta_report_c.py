@@ -1,0 +1,32 @@
+"""Design C's verdict (studies/tta/report_c.py) on hand-made results: the medians over seeds, the gain over TRL
+per task, the two rules and an incomplete study reported as such."""
+
+from __future__ import annotations
+
+import json
+
+from studies.tta.report_c import load, report
+
+
+def _write(root, task, seed, covrl, trl, constant=0.3):
+    folder = root / f"{task}-s{seed}" / "tta-smollm2"
+    folder.mkdir(parents=True)
+    arms = {"covrl": {"final_accuracy": covrl, "constant_groups": constant},
+            "trl": {"final_accuracy": trl}, "trl_sized": {"final_accuracy": trl}}
+    (folder / "cpu.json").write_text(json.dumps({"results": {"tasks": [{"task": task, "seed": seed, "arms": arms}]}}))
+
+
+def test_medians_gains_and_the_rules(tmp_path):
+    for seed, (c, t) in enumerate([(0.6, 0.4), (0.5, 0.5), (0.9, 0.2)]):   # gains +20, 0, +70: median +20
+        _write(tmp_path, "add2", seed, c, t)
+    for seed, (c, t) in enumerate([(0.1, 0.3), (0.2, 0.2), (0.0, 0.1)]):   # gains -20, 0, -10: median -10
+        _write(tmp_path, "mul1", seed, c, t, constant=0.6)
+    results = load(tmp_path)
+    assert len(results) == 6
+    text = report(results)
+    assert "| add2 | 0, 1, 2 | 60% / 50% / 90%: **60%**" in text and "+20 pts | 30% |" in text
+    assert "| mul1 | 0, 1, 2 | 10% / 20% / 0%: **10%**" in text and "-10 pts | 60% |" in text
+    assert "Verdict: not yet: 2 of 11 tasks" in text
+    assert "Rule 1 (covrl >= trl on every task, median over seeds) on the complete tasks: fails on mul1." in text
+    assert "Rule 2 (median gain over tasks >= 10 points) on the complete tasks: +5 points, fails." in text
+    assert "median over the complete tasks: 45%." in text
