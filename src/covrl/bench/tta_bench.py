@@ -163,20 +163,21 @@ def _entry(kind: str, conn, *payload) -> None:
 
 
 def run_arms(specs: dict[str, tuple], timeout_s: float = 3600.0, progress=None) -> dict[str, Any]:
-    """Start one worker per arm (`specs`: arm -> (kind, *payload)) and step them in turn, the order rotated every
-    round, until each reports `finished`. Returns each arm's ready message and step records."""
+    """Start one worker per arm (`specs`: arm -> (kind, *payload)), each once the one before is ready, and step
+    them in turn, the order rotated every round, until each reports `finished`. Returns each arm's ready message and step records."""
     from covrl.bench.alternate import _recv, join_workers
 
     ctx = mp.get_context("spawn")
-    procs, conns = {}, {}
-    for arm, (kind, *payload) in specs.items():
-        parent_conn, child_conn = ctx.Pipe()
-        proc = ctx.Process(target=_entry, args=(kind, child_conn, *payload), daemon=True)
-        proc.start()
-        procs[arm], conns[arm] = proc, parent_conn
+    procs, conns, ready = {}, {}, {}
     records: dict[str, list[dict]] = {arm: [] for arm in specs}
     try:
-        ready = {arm: _recv(conns[arm], arm, timeout_s, procs[arm]) for arm in specs}
+        # one arm starts at a time: a covrl arm's probe is on its clock, so it runs beside no other arm's set-up
+        for arm, (kind, *payload) in specs.items():
+            parent_conn, child_conn = ctx.Pipe()
+            proc = ctx.Process(target=_entry, args=(kind, child_conn, *payload), daemon=True)
+            proc.start()
+            procs[arm], conns[arm] = proc, parent_conn
+            ready[arm] = _recv(conns[arm], arm, timeout_s, procs[arm])
         active, rnd = list(specs), 0
         while active:
             k = rnd % len(active)
