@@ -37,6 +37,8 @@ def run_bench(name: str, out: Path, cache: Path, *extra: str) -> dict:
     return payload["results"]
 
 
+# slow (~12-20 s): TRL's side also runs in tests/bench/test_trl_parity.py
+@pytest.mark.slow
 def test_trl_quick_runs_both_sides(tmp_path, cache_dir):
     res = run_bench("trl", tmp_path, cache_dir)
     for side in ("covrl", "trl"):

@@ -268,6 +268,8 @@ def test_dead_silent_and_killed_servers_are_errors_naming_the_url(capsys):
                           generator=torch.Generator(), chat_template=False, max_turns=4)
 
 
+# slow (~15-30 s): a server per session; the other OpenEnv tests keep the client in the default suite
+@pytest.mark.slow
 @pytest.mark.timeout(120)
 def test_single_session_servers_hold_one_episode_each():
     # OpenEnv's default app holds one session: two local servers hold two episodes, a third is refused clearly

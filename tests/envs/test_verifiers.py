@@ -151,6 +151,8 @@ class ScriptedToolUser:
                             group_ids=torch.arange(B), policy_version=torch.zeros(B, dtype=torch.long))
 
 
+# slow (~15-30 s): a real tool environment end to end; the multi-turn test keeps the masks in the default suite
+@pytest.mark.slow
 def test_tool_environment_results_are_environment_tokens():
     """A verifiers Toolset (an MCP server per rollout) and the renderer's hermes-style tool parser: the model's
     call and its final answer are in the loss, the tool's result between them is not, in one row."""

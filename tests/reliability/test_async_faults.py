@@ -109,6 +109,8 @@ def test_sampler_thread_death_ends_covrl_train_cleanly(tmp_path, monkeypatch, ca
     assert status != "running"
 
 
+# slow (~12-25 s): the default suite keeps the restart budget's test of the same pool
+@pytest.mark.slow
 def test_killed_sampler_process_is_restarted_and_its_chunk_generated_again(tmp_path, monkeypatch):
     """SIGKILL the sampler process while the trainer works: the pool notices, requeues the chunk it was
     generating (same tickets and randomness) and starts a new process; the run finishes with every step

@@ -217,6 +217,8 @@ def test_random_kill_points_never_lose_or_duplicate_work(tmp_path):
     assert not bad, json.dumps(bad, indent=1)
 
 
+# slow (~12-25 s): two CLI runs; the default suite keeps a kill before the first checkpoint and the soak trial
+@pytest.mark.slow
 def test_sigterm_ends_the_run_as_interrupted_and_resume_completes_it(tmp_path):
     proc = start(tmp_path, "term", "loop.steps=6")
     run_dir = tmp_path / "term"

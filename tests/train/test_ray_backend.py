@@ -102,6 +102,8 @@ def test_covrl_train_in_ray_mode_goes_through_the_common_exit_table(tmp_path, lo
     assert summary["status"] == "failed" and summary["exit_code"] == 2, summary
 
 
+# slow (~8-14 s): the Ray smoke test keeps the backend in the default suite
+@pytest.mark.slow
 def test_ray_backend_runs_episodes(tmp_path, local_ray):
     """A task with an environment (the tiny `add` tool preset) through a Ray sampler actor: the actor builds the
     task with its environment and generates episodes through generate_batch, so at staleness 0 the run equals
