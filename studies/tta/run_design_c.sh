@@ -1,6 +1,7 @@
 #!/bin/bash
-# Design C (DESIGN_C.md): every task x seed in the design's order, two at a time (one per core), each with the
-# design's command. A task x seed whose result exists is skipped, so the script can be run again to go on.
+# Design C (DESIGN_C.md): every task x seed in the design's order, two at a time (one per core; WORKERS=1 runs
+# one at a time), each with the design's command. A task x seed whose result exists is skipped, so the script can
+# be run again to go on.
 cd "$(dirname "$0")/../.."
 TASKS="add1 add2 mul1 count_letters reverse_word rg_leg_counting rg_gcd rg_simple_equations rg_spell_backward rg_word_sorting rg_basic_arithmetic"
 COVRL=${COVRL:-.venv/bin/covrl}
@@ -12,8 +13,10 @@ run_one() {
   mkdir -p "$out"
   "$COVRL" bench tta --model smollm2 --tasks "$task" --seeds "$seed" --budget-s 240 --out "$out" > "$out/log.txt" 2>&1
 }
-worker() {   # worker k of 2 takes jobs k, k+2, ...
+WORKERS=${WORKERS:-2}
+worker() {   # worker k of WORKERS takes jobs k, k+WORKERS, ...
   local k=$1
-  for ((i = k; i < ${#jobs[@]}; i += 2)); do run_one ${jobs[$i]}; done
+  for ((i = k; i < ${#jobs[@]}; i += WORKERS)); do run_one ${jobs[$i]}; done
 }
-worker 0 & worker 1 & wait
+for ((k = 0; k < WORKERS; k++)); do worker $k & done
+wait

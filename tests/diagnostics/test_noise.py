@@ -152,6 +152,19 @@ def test_monitor_emas_and_state():
     assert "noise/trace_sigma" not in single and single["noise/signal"] == 1.0
 
 
+def test_a_micro_batch_without_loss_tokens_is_no_sample_of_the_small_batch():
+    """A micro-batch of only failed agent episodes has size 0: it is left out, as if it had not been there
+    (the union's gradient is the same), and with fewer than two micro-batches left only the signal is logged."""
+    with_empty = GradientNoiseMonitor().update(grad_norm_sq=2.0, micro_grad_norms_sq=[3.0, 0.0, 5.0],
+                                               micro_batch_sizes=[16.0, 0.0, 8.0])
+    without = GradientNoiseMonitor().update(grad_norm_sq=2.0, micro_grad_norms_sq=[3.0, 5.0],
+                                            micro_batch_sizes=[16.0, 8.0])
+    assert with_empty == without and "noise/trace_sigma" in without
+    alone = GradientNoiseMonitor().update(grad_norm_sq=2.0, micro_grad_norms_sq=[3.0, 0.0],
+                                          micro_batch_sizes=[16.0, 0.0])
+    assert "noise/signal" in alone and "noise/trace_sigma" not in alone and "noise/noise" not in alone
+
+
 def test_bad_inputs_name_the_field():
     with pytest.raises(ValueError, match="small_batch"):
         gradient_noise_scale(1.0, 1.0, 4, 4)

@@ -556,6 +556,65 @@ def test_threaded_async_loop_trains_an_agent_within_the_staleness_bound(tmp_path
     assert run.agent.server is None     # the endpoint is closed at the end
 
 
+FLAKY_AGENT = '''
+import openai
+
+
+async def run(base_url, api_key, example):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model="covrl", messages=[{"role": "user", "content": example.prompt}])
+    if "3" in example.prompt:
+        raise ValueError("boom in a worker's agent")
+    return None
+'''
+
+
+def _pool_agent_run(tmp_path, name: str, agent: str, backend: str, **over):
+    from covrl.train.asyncrl.config import AsyncLoopConfig
+    from covrl.train.asyncrl.source import prepare_async_run, train_async
+
+    (tmp_path / f"{name}.py").write_text(agent)
+    cfg = tiny_cfg(tmp_path, **{"run.name": name, "task.agent.fn": f"{tmp_path / name}.py:run", "loop.steps": 3,
+                                "sft_warmup.steps": 0, "eval.before": False, "eval.sampled": False,
+                                "model.tiny.max_positions": 64, **over})
+    run = prepare_async_run(cfg, console=False)
+    try:
+        return run, train_async(run, acfg=AsyncLoopConfig(local_backend=backend, max_staleness_steps=1,
+                                                          chunk_prompts=1))
+    finally:
+        run.close()
+
+
+def test_process_pool_workers_play_agent_episodes_around_their_own_samplers(tmp_path):
+    """async_loop.local_backend=process: each sampler process serves the agent's endpoint around its own
+    sampler; the rows carry the versions that drew them (within the staleness bound), the trainer's forward
+    matches the recorded log-probs where the weights are the same, and the final evaluation plays the agent in the
+    trainer's process."""
+    run, summary = _pool_agent_run(tmp_path, "agent_proc", AGENT, "process")
+    assert summary["status"] == "completed" and summary["agent"]["failed_episodes"] == 0
+    assert summary["async"]["rollouts_consumed"] == 3 * 16
+    records = read_jsonl(tmp_path / "agent_proc" / "metrics.jsonl")
+    assert len(records) == 3 and all(r["async/staleness_max"] <= 1 for r in records)
+    assert all(r["task/agent_calls"] == 1.0 and r["task/agent_failed"] == 0.0 for r in records)
+    # at version 0 the trainer's weights are the sampler's: the ratio is 1 up to fp32 (k3 at the floor)
+    assert records[0]["mismatch/k3"] < 1e-8
+    evals = read_jsonl_evals(tmp_path / "agent_proc" / "eval.json")
+    assert [e["label"] for e in evals] == ["after"] and evals[0]["greedy"]["agent_calls"] == 1.0
+
+
+def test_a_failing_agent_in_a_sampler_process_is_shown_and_counted_in_the_summary(tmp_path, capfd):
+    """An agent that raises inside a sampler process: the first traceback is printed at once, the failed
+    episodes train nothing, and the run's summary counts them (a failure rate under the rule's limit)."""
+    run, summary = _pool_agent_run(tmp_path, "agent_flaky", FLAKY_AGENT, "process",
+                                   **{"task.max_reward_error_rate": 0.9})
+    shown = capfd.readouterr()    # the worker process writes to the file descriptors it inherited
+    assert summary["status"] == "completed"
+    assert summary["agent"]["failed_episodes"] > 0
+    records = read_jsonl(tmp_path / "agent_flaky" / "metrics.jsonl")
+    assert sum(r["task/agent_failed"] for r in records) > 0
+    assert "boom in a worker's agent" in shown.err + shown.out and "Traceback" in shown.err + shown.out
+
+
 def _packing_step(cfg, batch):
     from covrl.models import tiny_llama
 

@@ -134,6 +134,12 @@ class GradientNoiseMonitor:
         if micro_grad_norms_sq is not None and len(micro_grad_norms_sq) >= 2:  # one micro-batch: nothing to compare
             if micro_batch_sizes is None:
                 raise ValueError("the noise scale needs micro_batch_sizes with micro_grad_norms_sq")
+            if not isinstance(micro_batch_sizes, (int, float)) and len(micro_batch_sizes) == len(micro_grad_norms_sq):
+                # a micro-batch with nothing in the loss (only failed agent episodes, say) is no sample of the
+                # small-batch gradient: it is left out (the big batch's size is the same sum without it)
+                kept = [(n, b) for n, b in zip(micro_grad_norms_sq, micro_batch_sizes) if float(b) > 0]
+                micro_grad_norms_sq, micro_batch_sizes = [n for n, _ in kept], [b for _, b in kept]
+        if micro_grad_norms_sq is not None and len(micro_grad_norms_sq) >= 2:
             metrics.update(micro_batch_noise_scale(micro_grad_norms_sq, micro_batch_sizes, grad_norm_sq,
                                                    micro_scaled=micro_scaled).metrics)
         for key in self._EMA_KEYS:

@@ -67,6 +67,11 @@ class SamplerWorker:
         self.sampler.version = -1
         self._reference = None
         self.generator = torch.Generator()
+        self.agent = None
+        if cfg.task.agent.enabled:   # task.agent: this worker's episodes through an endpoint around its own sampler
+            from covrl.train.run.agent_source import detached_player
+
+            self.agent = detached_player(cfg, self.sampler, tokenizer, self.task, generator=self.generator)
 
     def ready(self) -> int:
         return os.getpid()
@@ -80,8 +85,12 @@ class SamplerWorker:
         if weights is not None and version != self.sampler.version:
             self.sampler.load_weights(weights, version)
         self.generator.set_state(rng_state)
-        batch = generate_chunk(self.sampler, self.task, self.tokenizer, self.cfg.task, examples, positions,
-                               self.cfg.loop.group_size, self.generator, version)
+        failed_before = self.agent.failures.failures if self.agent is not None else 0
+        if self.agent is not None:
+            batch = self.agent.play(examples, self.cfg.loop.group_size, version=version, positions=positions)
+        else:
+            batch = generate_chunk(self.sampler, self.task, self.tokenizer, self.cfg.task, examples, positions,
+                                   self.cfg.loop.group_size, self.generator, version)
         floor = None
         if probe and weights is not None:
             if self._reference is None:      # the trainer's dtype, for the engine-floor probe
@@ -89,7 +98,8 @@ class SamplerWorker:
             self._reference.load_state_dict(weights, strict=True)
             floor = floor_probe(self._reference, batch, self.cfg)
         return {"batch": batch, "rng_after": self.generator.get_state(), "busy_s": time.perf_counter() - t0,
-                "floor": floor, "pid": os.getpid()}
+                "floor": floor, "pid": os.getpid(),
+                "agent_failed": (self.agent.failures.failures - failed_before) if self.agent is not None else 0}
 
 
 class DispatchPool:
@@ -227,6 +237,8 @@ class DispatchPool:
             st.sampler_busy_s += result["busy_s"]
             if result["floor"] is not None:
                 st.record_floor(result["floor"])
+            if result.get("agent_failed") and st.run.agent is not None:
+                st.run.agent.count_worker_failures(result["agent_failed"])
             st.complete_chunk(chunk, result["batch"])
             st.chunks_generated += 1
             st.cond.notify_all()

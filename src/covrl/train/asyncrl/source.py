@@ -98,10 +98,12 @@ class AsyncSource:
         name = pool or ("serial" if acfg.emulate else acfg.local_backend) if pool_factory is None else "ray"
         if acfg.partial_rollouts:
             _check_partial_rollouts(run.cfg, name)
-        if run.cfg.task.agent.enabled:   # the pool's own sampler serves the agent's endpoint (one process)
-            if name not in ("serial", "thread") or acfg.partial_rollouts:
-                raise ValueError(f"task.agent in the async loop takes async_loop.local_backend=thread (or emulate) "
-                                 f"without partial_rollouts; got the {name} pool")
+        if run.cfg.task.agent.enabled:
+            # serial / thread pools: the run's sampler serves the agent's endpoint; process / Ray workers each
+            # serve one around their own sampler (process_pool.SamplerWorker), and the run's plays evaluations
+            if acfg.partial_rollouts:
+                raise ValueError("task.agent with async_loop.partial_rollouts=true is not supported: an episode's "
+                                 "calls are sampled at one weights version; set async_loop.partial_rollouts=false")
             from covrl.train.run.agent_source import attach_agent
 
             attach_agent(run)

@@ -74,7 +74,7 @@ def run(args: argparse.Namespace) -> int:
     from covrl.models import ModelNotFoundError, load_model
     from covrl.rollout import build_sampler
     from covrl.tasks import UserCodeError, build_task
-    from covrl.train.run.agent_source import evaluation_player
+    from covrl.train.run.agent_source import detached_player
     from covrl.train.run.checkpoint import CheckpointError, load_model_weights
     from covrl.train.run.components import resolve_device, seed_everything
     from covrl.train.run.evaluate import evaluate
@@ -93,7 +93,7 @@ def run(args: argparse.Namespace) -> int:
         sampler = build_sampler(cfg.sampler, model, tokenizer)
         examples = task.eval[: cfg.eval.max_prompts] if cfg.eval.max_prompts else task.eval
         # an agent run is evaluated as it trained: its agent program plays the held-out prompts
-        player = evaluation_player(cfg, sampler, tokenizer, task) if cfg.task.agent.enabled else None
+        player = detached_player(cfg, sampler, tokenizer, task) if cfg.task.agent.enabled else None
         try:
             result = evaluate(sampler, task, tokenizer, examples, seed=cfg.run.seed + 17, greedy=True,
                               sampled=not args.no_sampled,

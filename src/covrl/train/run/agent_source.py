@@ -29,7 +29,7 @@ from covrl.train.faults import fault_point
 from covrl.train.run.sources import SourceBatch, SyncSource, choose_prompts
 
 __all__ = ["AgentPlayer", "AgentSource", "attach_agent", "count_failures", "episode_rewards",
-           "evaluation_player", "score_agent_episodes"]
+           "detached_player", "score_agent_episodes"]
 
 
 def _check(cfg) -> None:
@@ -123,6 +123,7 @@ class AgentPlayer:
                    f"task.reward_error_window={cfg.task.reward_error_window}")
         self.server: OpenAIServer | None = None
         self.runner: AgentRunner | None = None
+        self.worker_failures = 0
 
     def _endpoint(self) -> OpenAIServer:
         if self.server is None:
@@ -200,15 +201,24 @@ class AgentPlayer:
             self.server.close()
             self.server = None
 
+    def count_worker_failures(self, n: int) -> None:
+        """Failed episodes a sampler worker (process or Ray pool) played and counted by its own rule: the run's
+        summary counts them too."""
+        self.worker_failures += n
+
     def summary(self) -> dict[str, Any]:
-        return {"agent": {"fn": self.acfg.fn, "command": self.acfg.command, "failed_episodes": self.failures.failures}}
+        return {"agent": {"fn": self.acfg.fn, "command": self.acfg.command,
+                          "failed_episodes": self.failures.failures + self.worker_failures}}
 
 
-def evaluation_player(cfg, sampler, tokenizer, task, *, version: int = 0) -> AgentPlayer:
-    """An AgentPlayer outside a run (`covrl eval` of an agent run's checkpoint): `evaluate_episodes` plays the
-    config's agent on held-out prompts against `sampler`, which holds the weights of `version`."""
+def detached_player(cfg, sampler, tokenizer, task, *, generator: torch.Generator | None = None,
+                    version: int = 0) -> AgentPlayer:
+    """An AgentPlayer outside a run, around `sampler` (which holds the weights of `version`): `covrl eval` of an
+    agent run's checkpoint (`evaluate_episodes`), and a process or Ray sampler worker of the async loop (`play`,
+    drawing from the worker's `generator`, its failures counted by the worker's own rule)."""
     holder = SimpleNamespace(cfg=cfg, sampler=sampler, tokenizer=tokenizer, task=task,
-                             generator=torch.Generator().manual_seed(cfg.run.seed),
+                             generator=generator if generator is not None else torch.Generator().manual_seed(
+                                 cfg.run.seed),
                              trainer=SimpleNamespace(version=version))
     return AgentPlayer(holder)
 
