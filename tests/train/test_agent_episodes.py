@@ -556,6 +556,92 @@ def test_threaded_async_loop_trains_an_agent_within_the_staleness_bound(tmp_path
     assert run.agent.server is None     # the endpoint is closed at the end
 
 
+PARTIAL_AGENT = '''
+import asyncio
+import threading
+
+import openai
+
+hooks = {"first_call_done": None, "may_go_on": None}   # set by the test
+started = {"n": 0}
+lock = threading.Lock()
+
+
+async def run(base_url, api_key, example):
+    with lock:
+        index = started["n"]
+        started["n"] += 1
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    messages = [{"role": "user", "content": example.prompt}]
+    first = await client.chat.completions.create(model="covrl", messages=messages)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "Again."}]
+    if index >= 16:   # step 2's episodes: the second call waits for the trainer's version 1
+        hooks["first_call_done"]()
+        while not hooks["may_go_on"]():
+            await asyncio.sleep(0.02)
+    await client.chat.completions.create(model="covrl", messages=messages)
+    return None
+'''
+
+
+def test_partial_rollouts_hand_an_agents_later_calls_the_newer_weights(tmp_path, monkeypatch):
+    """async_loop.partial_rollouts with an agent (thread pool): weights published while a chunk's episodes run
+    are taken between calls. Step 2's episodes make their first call with version 0, the trainer's step 1 is held
+    until they have, and their second call waits for version 1: its tokens carry version 1, the first call's
+    version 0, and each row's policy_version is its oldest call's."""
+    import importlib
+
+    from covrl.train.asyncrl.config import AsyncLoopConfig
+    from covrl.train.asyncrl.pools import ThreadPool
+    from covrl.train.asyncrl.source import prepare_async_run, train_async
+
+    (tmp_path / "partial_agent.py").write_text(PARTIAL_AGENT)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    agent = importlib.import_module("partial_agent")
+    first_done, published = __import__("threading").Event(), __import__("threading").Event()
+    agent.hooks.update(first_call_done=first_done.set, may_go_on=published.is_set)
+    real_publish, real_step = ThreadPool.publish, Trainer.step
+    stepped = []
+
+    def publish(self, model, version):
+        real_publish(self, model, version)
+        if version >= 1:
+            published.set()
+
+    def step(self, batch, *a, **kw):
+        if self.version == 0:   # step 1 waits until step 2's episodes made their first call with version 0
+            assert first_done.wait(120), "no episode of step 2 started"
+        stepped.append((self.version, batch))
+        return real_step(self, batch, *a, **kw)
+
+    monkeypatch.setattr(ThreadPool, "publish", publish)
+    monkeypatch.setattr(Trainer, "step", step)
+    cfg = tiny_cfg(tmp_path, **{"run.name": "agent-partial", "task.agent.fn": "partial_agent:run",
+                                "loop.steps": 2, "sft_warmup.steps": 0, "eval.before": False, "eval.after": False,
+                                "model.tiny.max_positions": 96})
+    run = prepare_async_run(cfg, console=False)
+    try:
+        summary = train_async(run, acfg=AsyncLoopConfig(max_staleness_steps=1, chunk_prompts=4,
+                                                        partial_rollouts=True))
+    finally:
+        run.close()
+    assert summary["status"] == "completed" and summary["agent"]["failed_episodes"] == 0
+    (v1, first), (v2, second) = stepped
+    assert v1 == 0 and v2 == 1
+    drawn = first.versions_per_token[first.train_mask > 0]
+    assert set(drawn.tolist()) == {0}
+    drawn = second.versions_per_token[second.train_mask > 0]
+    assert set(drawn.tolist()) == {0, 1}        # the first calls at version 0, the second at version 1
+    for i in range(len(second)):
+        mine = second.versions_per_token[i][second.train_mask[i] > 0]
+        assert int(second.policy_version[i]) == int(mine.min())
+    records = read_jsonl(tmp_path / "agent-partial" / "metrics.jsonl")
+    # the ledger: rows drawn by two versions, and a token lag below the rows' staleness
+    assert records[1]["async/mixed_rows_frac"] > 0
+    assert records[1]["async/token_lag_mean"] < records[1]["async/staleness_mean"]
+
+
 FLAKY_AGENT = '''
 import openai
 

@@ -149,3 +149,51 @@ def test_actors_that_do_not_fit_the_cluster_are_refused_with_the_numbers(tmp_pat
     with train_helpers.local_ray(tmp_path):
         assert train_from_config_ray(cfg) == 2
     assert "the actors do not fit" in capsys.readouterr().err
+
+
+AGENT = '''
+import openai
+
+
+async def run(base_url, api_key, example):
+    client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0)
+    await client.chat.completions.create(model="covrl", messages=[{"role": "user", "content": example.prompt}])
+    return None   # the task's reward of the answer
+'''
+
+
+# slow (~15-25 s): the process pool's agent tests keep the worker's player in the default suite
+@pytest.mark.slow
+def test_ray_sampler_actors_play_agent_episodes_like_the_sync_loop(tmp_path, local_ray):
+    """task.agent through a Ray sampler actor: the actor loads the program and serves its own endpoint; one
+    episode at a time (task.agent.concurrency=1) at staleness 0 the run equals the sync loop's, and the final
+    evaluation plays the agent in the trainer's process."""
+    import sys
+
+    pytest.importorskip("openai")
+    from covrl.train.asyncrl.ray_pool import start_sampler_actors, train_ray
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    from test_async_loop import tiny_cfg
+
+    torch.set_num_threads(1)
+    (tmp_path / "toy_agent.py").write_text(AGENT)
+    base = {"sampler.share_weights": "never", "async_loop.trainer_actor": False, "async_loop.sampler_cpus": 1,
+            "task.agent.fn": f"{tmp_path / 'toy_agent.py'}:run", "task.agent.concurrency": 1,
+            "model.tiny.max_positions": 64, "sft_warmup.steps": 0, "eval.before": False, "eval.sampled": False}
+    sync_run = prepare_run(tiny_cfg(tmp_path, steps=2, **base, **{"run.name": "sync-agent"}), console=False)
+    train_sync(sync_run)
+    sync_run.close()
+    cfg = tiny_cfg(tmp_path, steps=2, **base, **{"run.name": "ray-agent", "loop.mode": "ray",
+                                                  "async_loop.max_staleness_steps": 0})
+    run = prepare_async_run(cfg, console=False)
+    summary = train_ray(run, actors=start_sampler_actors(cfg))
+    run.close()
+    assert summary["status"] == "completed" and summary["agent"]["failed_episodes"] == 0
+    records = read_jsonl(run.run_dir / "metrics.jsonl")
+    assert all(r["task/agent_calls"] == 1.0 for r in records)
+    assert comparable(records) == comparable(read_jsonl(sync_run.run_dir / "metrics.jsonl"))
+    import json
+
+    evals = json.loads((run.run_dir / "eval.json").read_text())["evals"]
+    assert [e["label"] for e in evals] == ["after"] and evals[0]["greedy"]["agent_calls"] == 1.0

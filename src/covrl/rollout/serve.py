@@ -33,6 +33,7 @@ import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
 
 import torch
 
@@ -68,6 +69,9 @@ class GenerateServer:
 
     `generator`: the torch.Generator every batch draws from; `version`: a callable giving the policy version
     the sampler holds (recorded by the caller, who also reads `batches` / `requests` for its metrics).
+    `refresh` (set by the caller, None by default): () -> (weights, version) newer than the sampler's, or None,
+    polled before each batch, so that a batch of calls is drawn by the newest weights handed (an agent's episode
+    in the async loop's partial rollouts: one version per call, calls of one episode may differ).
     `warn`: where the once-per-field warnings go (stderr by default)."""
 
     def __init__(self, sampler, *, generator: torch.Generator, model_name: str = "covrl",
@@ -76,6 +80,7 @@ class GenerateServer:
         self.sampler, self.generator, self.model_name = sampler, generator, model_name
         self.batch_window_s, self.max_batch = float(batch_window_s), int(max_batch)
         self.version = version
+        self.refresh: Callable[[], tuple[Any, int] | None] | None = None
         self.warn = warn or (lambda text: print(f"warning: {text}", file=sys.stderr, flush=True))
         self.warned: set[str] = set()
         self.requests = self.batches = 0
@@ -172,6 +177,9 @@ class GenerateServer:
     def _generate(self, batch: list[_Pending]) -> None:
         try:
             with self._lock:
+                newer = self.refresh() if self.refresh is not None else None
+                if newer is not None and int(newer[1]) > int(self.sampler.version):
+                    self.sampler.load_weights(newer[0], int(newer[1]))
                 version = self.version() if self.version is not None else None
                 out = self.sampler.generate([p.prompt for p in batch], 1, generator=self.generator,
                                             policy_version=version, greedy=self.greedy)

@@ -263,7 +263,8 @@ class _LocalWorkerMixin:
         examples, positions = st.chunk_examples(chunk)
         refresh = self._refresh if st.acfg.partial_rollouts else None
         if run.agent is not None:   # task.agent: the chunk's episodes through the endpoint around this sampler
-            batch = run.agent.play(examples, st.group_size, version=chunk.version, positions=positions)
+            batch = run.agent.play(examples, st.group_size, version=chunk.version, positions=positions,
+                                   refresh=refresh)
         else:
             batch = generate_chunk(run.sampler, run.task, run.tokenizer, run.cfg.task, examples, positions,
                                    st.group_size, run.generator, chunk.version, refresh=refresh)

@@ -99,11 +99,9 @@ class AsyncSource:
         if acfg.partial_rollouts:
             _check_partial_rollouts(run.cfg, name)
         if run.cfg.task.agent.enabled:
-            # serial / thread pools: the run's sampler serves the agent's endpoint; process / Ray workers each
-            # serve one around their own sampler (process_pool.SamplerWorker), and the run's plays evaluations
-            if acfg.partial_rollouts:
-                raise ValueError("task.agent with async_loop.partial_rollouts=true is not supported: an episode's "
-                                 "calls are sampled at one weights version; set async_loop.partial_rollouts=false")
+            # serial / thread pools: the run's sampler serves the agent's endpoint (with partial rollouts it takes
+            # newer weights between calls); process / Ray workers each serve one around their own sampler
+            # (process_pool.SamplerWorker), and the run's plays evaluations
             from covrl.train.run.agent_source import attach_agent
 
             attach_agent(run)

@@ -136,15 +136,21 @@ class AgentPlayer:
                                       timeout_s=self.acfg.timeout_s)
         return self.server
 
-    def play(self, examples: list, sizes: int | list[int], *, version: int, positions: list[int]) -> ScoredBatch:
+    def play(self, examples: list, sizes: int | list[int], *, version: int, positions: list[int],
+             refresh=None) -> ScoredBatch:
         """`sizes` episodes per example with the run's sampler (which holds the weights of `version`) and
-        generator, failures counted, scored (covrl's rows: `score_agent_episodes`)."""
+        generator, failures counted, scored (covrl's rows: `score_agent_episodes`). `refresh` (the async loop's
+        partial rollouts): newer weights are taken between calls, each call recording the version it drew from."""
         run = self.run
         server = self._endpoint()
         server.sampler, server.generator, server.greedy = run.sampler, run.generator, False
-        server.version = lambda: version
+        server.version = (lambda: int(run.sampler.version)) if refresh is not None else (lambda: version)
+        server.refresh = refresh
         t0 = time.perf_counter()
-        episodes = self.runner.run(examples, sizes)
+        try:
+            episodes = self.runner.run(examples, sizes)
+        finally:
+            server.refresh = None
         generate_s = time.perf_counter() - t0
         fault_point("generate")  # reliability tests: COVRL_FAULT (no-op otherwise)
         count_failures(self.failures, episodes, examples)
