@@ -140,7 +140,8 @@ CASES = {
                                *FAST],
                               ["task.verifiers.taskset", "verifiers API before 0.4", "load_environment",
                                "verifiers.v1", "vf.Taskset", "__all__"],
-                              files={"t.yaml": TINY_OTHER_TASK, "old_env/__init__.py": OLD_VERIFIERS_ENV}, absent=["defines no `__all__`"]),
+                              files={"t.yaml": TINY_OTHER_TASK, "old_env/__init__.py": OLD_VERIFIERS_ENV}, absent=["defines no `__all__`"],
+                              slow=True),   # ~12 s: it imports verifiers
     "unknown_reasoning_gym_dataset": Case(["train", "--config", TINY, "task.name=reasoning_gym",
                                            "task.reasoning_gym.dataset=no_such_puzzles", *FAST],
                                           ["task.reasoning_gym", "no_such_puzzles"], slow=True),

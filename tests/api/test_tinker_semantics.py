@@ -246,6 +246,8 @@ chz.nested_entrypoint(train.cli_main, argv=sys.argv[3:])
 """
 
 
+# slow (~10 s): a second cookbook recipe; tests/api/test_tinker_facade.py keeps one in the default suite
+@pytest.mark.slow
 def test_the_cookbooks_dpo_recipe_takes_two_steps_against_a_frozen_reference(tmp_path):
     """tinker-cookbook's DPO recipe (its own code; hub data, tokenizer and renderer replaced as
     examples/cookbook_recipe.py does) takes its reference with save_weights_and_get_sampling_client() and

@@ -240,6 +240,8 @@ def test_async_loop_runs_episodes_and_equals_sync_at_staleness_zero(tmp_path, ec
             assert env_tok.any() and torch.all(b.sampler_logprobs[env_tok] == 0)
 
 
+# slow (~9 s): the process pool keeps its default tests (staleness 0, restarts, agents, reward errors)
+@pytest.mark.slow
 def test_process_pool_runs_episodes(tmp_path):
     """The process pool's worker builds the task with its environment from the config (the tiny `add` preset):
     at staleness 0 the run equals the sync loop's episodes."""

@@ -137,6 +137,8 @@ def test_lr_surge_long_fast_arms_and_forced_surge(tmp_path: Path):
     assert _finite_numbers(json.loads((tmp_path / "lr-surge-long" / "result.json").read_text())["numbers"])
 
 
+# slow (~10 s): the lr-surge study's fast run keeps the long-run harness in the default suite
+@pytest.mark.slow
 def test_otb_long_fast_runs_every_arm_on_the_same_budget(tmp_path: Path):
     from studies.otb import otb_long
 

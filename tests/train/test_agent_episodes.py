@@ -688,6 +688,8 @@ def test_process_pool_workers_play_agent_episodes_around_their_own_samplers(tmp_
     assert [e["label"] for e in evals] == ["after"] and evals[0]["greedy"]["agent_calls"] == 1.0
 
 
+# slow (~13 s): the process pool's agent run stays in the default suite; failing agents are tested in process
+@pytest.mark.slow
 def test_a_failing_agent_in_a_sampler_process_is_shown_and_counted_in_the_summary(tmp_path, capfd):
     """An agent that raises inside a sampler process: the first traceback is printed at once, the failed
     episodes train nothing, and the run's summary counts them (a failure rate under the rule's limit)."""

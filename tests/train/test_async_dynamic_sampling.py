@@ -47,7 +47,8 @@ def _run(tmp_path, name, acfg, pool=None, **over):
     return run, summary, trained, read_jsonl(tmp_path / name / "metrics.jsonl")
 
 
-@pytest.mark.parametrize("pool", ["serial", "thread", "process"])
+# the process pool's case is slow (~12 s): the serial and thread cases keep the rule in the default suite
+@pytest.mark.parametrize("pool", ["serial", "thread", pytest.param("process", marks=pytest.mark.slow)])
 def test_async_dynamic_sampling_trains_only_groups_with_contrast(tmp_path, pool):
     acfg = AsyncLoopConfig(max_staleness_steps=1, emulate=pool == "serial", chunk_prompts=2)
     run, summary, trained, records = _run(tmp_path, "dyn", acfg, pool=pool, **{"loop.steps": 4})

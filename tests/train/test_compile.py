@@ -45,6 +45,9 @@ def _compare(eager, m_eager, compiled, m_comp):
             assert m_comp[key] == pytest.approx(m_eager[key], rel=1e-4, abs=1e-6), key
 
 
+# slow (~10-16 s): torch.compile of the step; tests/rollout/test_sampler_compile.py keeps a compiled path in the
+# default suite
+@pytest.mark.slow
 def test_compiled_step_matches_eager_and_one_graph_serves_a_new_shape():
     batch = synthetic_batch(make_model(), groups=3, group_size=4)
     eager, m_eager = grads_of_step(tiny_cfg(**{"optim.micro_batch_size": 4, "optim.max_grad_norm": None,

@@ -77,7 +77,9 @@ def straight(tmp_path_factory):
 @pytest.mark.skipif(TORCHRUN is None, reason="torchrun not found")
 # fsdp2 under torchrun with a one-process resume is also what the async test below runs (in the default suite);
 # this variant is slow-only to keep the default suite near 10 minutes
-@pytest.mark.parametrize("mode", ["ddp", pytest.param("fsdp2", marks=pytest.mark.slow)])
+# slow (~25-35 s with its one-process run): torchrun end to end; resuming on another world size stays in the
+# default suite (tests/train/test_distributed_checkpoint.py)
+@pytest.mark.parametrize("mode", [pytest.param("ddp", marks=pytest.mark.slow), pytest.param("fsdp2", marks=pytest.mark.slow)])
 def test_torchrun_run_resumes_on_one_process(tmp_path, straight, mode):
     base = ["--config", str(CONFIG), *OVERRIDES, f"run.output_dir={tmp_path}"]
     two = _covrl([*base, "loop.steps=2", f"trainer.parallel={mode}", "--name", "two"], ranks=2, cwd=tmp_path)
