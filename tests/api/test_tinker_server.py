@@ -299,3 +299,37 @@ def test_a_result_slower_than_the_long_poll_still_arrives(tmp_path, monkeypatch,
     finally:
         server.close()
     assert "try_again" not in caplog.text     # polled again quietly
+
+
+def test_an_agent_samples_a_sessions_weights_through_the_openai_routes(tmp_path):
+    """`/openai/<sampling_session_id>/v1`: the real `openai` client's chat completion is drawn from the session's
+    weights on the server's model thread; the answer's prompt ids are the chat template's, its log-probs those of
+    the session's own compute_logprobs (float32), and an unknown session is a 404 naming it."""
+    import urllib.request
+
+    openai = pytest.importorskip("openai")
+    server = serve(tmp_path)
+    try:
+        request = urllib.request.Request(f"{server.base_url}/api/v1/create_sampling_session",
+                                         data=json.dumps({"base_model": "tiny"}).encode(),
+                                         headers={"Content-Type": "application/json"}, method="POST")
+        with urllib.request.urlopen(request, timeout=60) as answer:
+            session = json.loads(answer.read())["sampling_session_id"]
+        client = openai.OpenAI(base_url=f"{server.base_url}/openai/{session}/v1", api_key="any", max_retries=0)
+        assert [m.id for m in client.models.list().data] == [session]
+        messages = [{"role": "user", "content": "Compute 2+3."}]
+        reply = client.chat.completions.create(model=session, messages=messages, max_tokens=4, logprobs=True,
+                                               extra_body={"return_token_ids": True})
+        answer = reply.model_dump()
+        prompt, ids = answer["prompt_token_ids"], answer["choices"][0]["token_ids"]
+        lps = [c["logprob"] for c in answer["choices"][0]["logprobs"]["content"]]
+        assert 1 <= len(ids) == len(lps) <= 4
+        endpoint = server._openai_sessions.server(session, server.samplers[session].client.api, None)
+        assert prompt == endpoint.chat_prompt_ids(messages)
+        scored = server.samplers[session].client.compute_logprobs(facade.ModelInput.from_ints(prompt + ids)).result()
+        assert np.allclose(lps, scored[len(prompt):], atol=1e-5)
+        with pytest.raises(openai.NotFoundError, match="no such sampling session"):
+            openai.OpenAI(base_url=f"{server.base_url}/openai/sampler-nope/v1", api_key="any",
+                          max_retries=0).chat.completions.create(model="x", messages=messages)
+    finally:
+        server.close()

@@ -64,6 +64,7 @@ from typing import Any
 
 import numpy as np
 
+from covrl.api import openai_sessions
 from covrl.api import tinker as facade
 from covrl.api.client import SNAPSHOT_DIR
 from covrl.api.tinker_wire import (
@@ -222,6 +223,7 @@ class TinkerServer:
         self._httpd.daemon_threads = True
         self._worker = threading.Thread(target=self._work, name="covrl-serve-worker", daemon=True)
         self._worker.start()
+        self._openai_sessions = openai_sessions.SessionEndpoints(service.config.run.seed)
         self._routes: dict[tuple[str, str], Callable[[Tenant, dict], Any]] = {
             ("GET", "get_server_capabilities"): self._capabilities,
             ("GET", "checkpoints"): lambda tenant, _: self._list_checkpoints(tenant, None),
@@ -264,6 +266,7 @@ class TinkerServer:
     def close(self) -> None:
         self._httpd.shutdown()
         self._httpd.server_close()
+        self._openai_sessions.close()
         self._jobs.close()
 
     # ------------------------------------------------------------------------------------------ tenants
@@ -762,6 +765,22 @@ class TinkerServer:
         return self._submit(tenant, f"sample {n} x {len(tokens)} prompt tokens", job,
                             sample_sequence_ids=[uuid.uuid4().hex for _ in range(n)])
 
+    def _openai(self, method: str, path: str, headers, raw: bytes) -> tuple[int, str, bytes]:
+        """/openai/<sampling_session_id>/v1/...: the session's OpenAI-compatible routes (chat and text
+        completions, models), answered by the session's endpoint (covrl.api.openai_sessions). The tenant's key
+        comes as X-API-Key or as the OpenAI client's bearer key; an episode is named by the X-Covrl-Episode
+        header."""
+        given = headers.get(KEY_HEADER) or openai_sessions.bearer_key(headers)
+        tenant = self._authenticate({KEY_HEADER: given})
+        session_id, route = openai_sessions.split_route(path)
+        sampler = self.samplers.get(session_id)
+        if sampler is None or sampler.tenant != tenant.name:
+            raise NotFound(f"sampling session {session_id!r}: no such sampling session (create one with "
+                           "create_sampling_session, or the SDK's create_sampling_client)")
+        server = self._openai_sessions.server(
+            session_id, sampler.client.api, lambda fn: self._on_worker(tenant, f"{route} on {session_id}", fn))
+        return self._openai_sessions.forward(server, method, route, headers, raw)
+
     def _request_seed(self, client, body: dict) -> int:
         """The seed of a request that names none: a hash of the config's seed, the weights version and the
         request's sequence number in its sampling session, so a run's samples do not depend on the order in
@@ -777,6 +796,8 @@ class TinkerServer:
         try:
             if method == "GET" and route == "healthz":     # unauthenticated: a proxy's health check
                 return _answer({"status": "ok"})
+            if path.startswith(openai_sessions.PREFIX):
+                return self._openai(method, path, headers, raw)
             tenant = self._authenticate(headers)
             if method == "POST" and route == "forward_backward":
                 if headers.get("Content-Encoding", "") == "zstd":
