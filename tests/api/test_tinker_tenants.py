@@ -414,3 +414,24 @@ def test_garbage_and_dropped_connections_leave_another_tenants_results_bit_exact
     assert not errors, errors
     assert during >= 1               # Alice's garbage and steps ran between Bob's
     assert shared == alone           # bit for bit
+
+
+def test_a_tenants_sampling_session_answers_only_its_own_key_on_the_openai_routes(tmp_path):
+    """/openai/<session>/v1 on a team server: the OpenAI client's bearer key is the tenant's key; another
+    tenant gets a 404 for the session (it is not theirs) and no key a 401."""
+    openai = pytest.importorskip("openai")
+    server = team_server(tmp_path)
+    try:
+        session = post(server, ALICE, "create_sampling_session", {"base_model": "tiny"}).json()["sampling_session_id"]
+        messages = [{"role": "user", "content": "Compute 2+3."}]
+
+        def chat(key):
+            return openai.OpenAI(base_url=f"{server.base_url}/openai/{session}/v1", api_key=key,
+                                 max_retries=0).chat.completions.create(model=session, messages=messages, max_tokens=2)
+        assert chat(ALICE).choices[0].message.content is not None
+        with pytest.raises(openai.NotFoundError, match="no such sampling session"):
+            chat(BOB)
+        with pytest.raises(openai.AuthenticationError):
+            chat("tml-nobody")
+    finally:
+        server.close()
