@@ -49,7 +49,8 @@ class AsyncLoopConfig(Section):
                            "rows are prefilled again with the new weights and go on; each token records the version "
                            "that drew it (RolloutBatch.token_versions). local_backend=thread (or emulate); the hf "
                            "sampler between decode steps, vLLM between segments of sampler.vllm.segment_tokens; "
-                           "single-turn tasks; admission and the staleness bound stay by a row's first token "
+                           "single-turn tasks, and agent programs (task.agent: between calls), not task.env; "
+                           "admission and the staleness bound stay by a row's first token "
                            "(docs/async.md)")
     ray_address: str | None = Field(
         None, description="Ray cluster to join (ray.init(address=...)), e.g. 'auto' or 'ray://head:10001'; "
