@@ -90,8 +90,8 @@ CASES = {
                               files={"c.yaml": "run:\n  name: [x\n"}),
     "no_config": Case(["train", "optim.lr=1e-5"], ["--config FILE is required"], slow=True),
     # -- data --------------------------------------------------------------------------------------------------
-    "jsonl_missing_file": Case(["train", "--config", TINY, "task.name=jsonl", "task.path={tmp}/none.jsonl", *FAST],
-                               ["none.jsonl", "does not exist"], slow=True),
+    "jsonl_missing_file": Case(["train", "--config", "{tmp}/t.yaml", "task.name=jsonl", "task.path={tmp}/none.jsonl",
+                                *FAST], ["none.jsonl", "does not exist"], files={"t.yaml": TINY_OTHER_TASK}, slow=True),
     "jsonl_bad_row": Case(["train", "--config", "{tmp}/t.yaml", "task.name=jsonl", "task.path={tmp}/d.jsonl", *FAST],
                           ["d.jsonl:3", "invalid JSON"],
                           files={"t.yaml": TINY_OTHER_TASK, "d.jsonl": '{"prompt": "1+1=", "answer": "2"}\n{"prompt": "2+2=", "answer": "4"}\n'
@@ -142,9 +142,10 @@ CASES = {
                                "verifiers.v1", "vf.Taskset", "__all__"],
                               files={"t.yaml": TINY_OTHER_TASK, "old_env/__init__.py": OLD_VERIFIERS_ENV}, absent=["defines no `__all__`"],
                               slow=True),   # ~12 s: it imports verifiers
-    "unknown_reasoning_gym_dataset": Case(["train", "--config", TINY, "task.name=reasoning_gym",
+    "unknown_reasoning_gym_dataset": Case(["train", "--config", "{tmp}/t.yaml", "task.name=reasoning_gym",
                                            "task.reasoning_gym.dataset=no_such_puzzles", *FAST],
-                                          ["task.reasoning_gym", "no_such_puzzles"], slow=True),
+                                          ["task.reasoning_gym", "no_such_puzzles"], files={"t.yaml": TINY_OTHER_TASK},
+                                          slow=True),
 }
 
 
