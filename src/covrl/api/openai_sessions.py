@@ -18,7 +18,13 @@ from typing import Any
 
 import torch
 
-from covrl.rollout.openai_api import EPISODE_HEADER, EPISODE_KEY_PREFIX, PLAIN_AGENT_TEMPLATE, OpenAIServer
+from covrl.rollout.openai_api import (
+    EPISODE_HEADER,
+    EPISODE_KEY_PREFIX,
+    PLAIN_AGENT_TEMPLATE,
+    OpenAIServer,
+    bearer_key,
+)
 
 __all__ = ["ClientSampler", "SessionEndpoints"]
 
@@ -105,11 +111,6 @@ class SessionEndpoints:
             servers, self._servers = list(self._servers.values()), {}
         for server in servers:
             server.close()
-
-
-def bearer_key(headers) -> str:
-    auth = headers.get("Authorization") or ""
-    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
 
 
 def split_route(path: str) -> tuple[str, str]:

@@ -73,6 +73,7 @@ from covrl.api.tinker_wire import (
     encode_forward_backward_output,
     encode_sample_response,
 )
+from covrl.rollout.openai_api import bearer_key
 
 __all__ = ["Limits", "TinkerServer", "serve"]
 
@@ -770,7 +771,7 @@ class TinkerServer:
         completions, models), answered by the session's endpoint (covrl.api.openai_sessions). The tenant's key
         comes as X-API-Key or as the OpenAI client's bearer key; an episode is named by the X-Covrl-Episode
         header."""
-        given = headers.get(KEY_HEADER) or openai_sessions.bearer_key(headers)
+        given = headers.get(KEY_HEADER) or bearer_key(headers)
         tenant = self._authenticate({KEY_HEADER: given})
         session_id, route = openai_sessions.split_route(path)
         sampler = self.samplers.get(session_id)

@@ -44,7 +44,7 @@ from dataclasses import dataclass, field
 from covrl.rollout.serve import GenerateServer, _Pending
 from covrl.tasks.tools import TOOL_CALL_PATTERN, parse_tool_calls
 
-__all__ = ["AgentCall", "CallLog", "EPISODE_HEADER", "EPISODE_KEY_PREFIX", "OpenAIServer", "PLAIN_AGENT_TEMPLATE",
+__all__ = ["AgentCall", "CallLog", "EPISODE_HEADER", "bearer_key", "EPISODE_KEY_PREFIX", "OpenAIServer", "PLAIN_AGENT_TEMPLATE",
            "episode_api_key"]
 
 EPISODE_KEY_PREFIX = "ep-"
@@ -152,12 +152,17 @@ class CallLog:
             found.calls.extend(calls)
 
 
+def bearer_key(headers) -> str:
+    """The key of an `Authorization: Bearer <key>` header (what an OpenAI client sends as its api_key), or ''."""
+    auth = headers.get("Authorization") or ""
+    return auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+
+
 def _episode_of(headers) -> str | None:
     named = headers.get(EPISODE_HEADER)
     if named:
         return named.strip()
-    auth = headers.get("Authorization") or ""
-    key = auth[7:].strip() if auth.lower().startswith("bearer ") else ""
+    key = bearer_key(headers)
     return key[len(EPISODE_KEY_PREFIX):] if key.startswith(EPISODE_KEY_PREFIX) and len(key) > 3 else None
 
 

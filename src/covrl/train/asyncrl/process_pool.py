@@ -85,9 +85,11 @@ class SamplerWorker:
         if weights is not None and version != self.sampler.version:
             self.sampler.load_weights(weights, version)
         self.generator.set_state(rng_state)
-        failed_before = self.agent.failures.failures if self.agent is not None else 0
+        agent_failed = 0
         if self.agent is not None:
+            failed_before = self.agent.failures.failures
             batch = self.agent.play(examples, self.cfg.loop.group_size, version=version, positions=positions)
+            agent_failed = self.agent.failures.failures - failed_before
         else:
             batch = generate_chunk(self.sampler, self.task, self.tokenizer, self.cfg.task, examples, positions,
                                    self.cfg.loop.group_size, self.generator, version)
@@ -98,8 +100,7 @@ class SamplerWorker:
             self._reference.load_state_dict(weights, strict=True)
             floor = floor_probe(self._reference, batch, self.cfg)
         return {"batch": batch, "rng_after": self.generator.get_state(), "busy_s": time.perf_counter() - t0,
-                "floor": floor, "pid": os.getpid(),
-                "agent_failed": (self.agent.failures.failures - failed_before) if self.agent is not None else 0}
+                "floor": floor, "pid": os.getpid(), "agent_failed": agent_failed}
 
 
 class DispatchPool:
