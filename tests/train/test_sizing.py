@@ -247,6 +247,42 @@ def test_constant_fraction_goes_down_with_the_group_and_non_binary_rewards_use_t
     assert predicted_constant_fraction([[0.5] * 4], 4) == pytest.approx(1 / 2 + 1 / 280)
 
 
+def test_a_step_keeps_two_prompts_where_no_group_size_reaches_the_target():
+    """One correct sample in 64 (a suite task's probe): every G leaves over 90% of the groups failing, and the
+    largest G minimises that. With 16 rollouts a step the rule stops at G = 8, two prompts, where it took one prompt
+    of 16 before: a step of one prompt moves the whole model towards that prompt's answer (docs/theory.md §15)."""
+    groups = [[0.0] * 4 for _ in range(15)] + [[1.0, 0.0, 0.0, 0.0]]
+    correct = [[r == 1.0 for r in g] for g in groups]
+    evidence = ProbeEvidence(lengths=[10] * 64, cap=16, rewards=groups, correct=correct, rewards_at={},
+                             correct_at={})
+    auto = ["loop.group_size=auto", "loop.prompts_per_step=auto"]
+    decision = decide(evidence, load_config(None, auto))
+    assert decision.resolved == {"loop.group_size": 8, "loop.prompts_per_step": 2}
+    assert set(decision.predicted_failing) == {4, 8} and "even loop.group_size=8" in decision.warnings[0]
+    one = decide(evidence, load_config(None, auto + ["sizing.min_prompts_per_step=1"]))
+    assert one.resolved == {"loop.group_size": 16, "loop.prompts_per_step": 1}
+    more = decide(evidence, load_config(None, auto + ["sizing.rollouts_per_step=32"]))
+    assert more.resolved == {"loop.group_size": 16, "loop.prompts_per_step": 2}
+    # no group fits (rollouts 4, at least 2 prompts): the smallest candidate, as many prompts as the rollouts allow
+    few = decide(evidence, load_config(None, auto + ["sizing.rollouts_per_step=4"]))
+    assert few.resolved == {"loop.group_size": 4, "loop.prompts_per_step": 1}
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.lists(st.sampled_from([0.0, 1.0]), min_size=4, max_size=4), min_size=1, max_size=16),
+       st.sampled_from([8, 16, 32, 64]), st.integers(1, 4))
+def test_an_auto_group_leaves_min_prompts_per_step_whenever_one_fits(groups, rollouts, min_prompts):
+    evidence = ProbeEvidence(lengths=[10] * (4 * len(groups)), cap=16, rewards=groups,
+                             correct=[[r == 1.0 for r in g] for g in groups], rewards_at={}, correct_at={})
+    cfg = load_config(None, ["loop.group_size=auto", "loop.prompts_per_step=auto",
+                             f"sizing.rollouts_per_step={rollouts}", f"sizing.min_prompts_per_step={min_prompts}"])
+    resolved = decide(evidence, cfg).resolved
+    g, p = resolved["loop.group_size"], resolved["loop.prompts_per_step"]
+    assert g in (4, 8, 16) and g * p <= rollouts
+    if rollouts // min_prompts >= 4:   # some candidate leaves min_prompts prompts
+        assert p >= min_prompts and g <= rollouts // min_prompts
+
+
 def test_decide_fills_only_the_auto_fields():
     # every answer ends at 10 tokens: 16 and 128 tokens give the same samples at the same cost, 8 cuts them all
     half = [[1.0, 0.0, 1.0, 0.0]] * 16
@@ -310,10 +346,10 @@ def test_auto_run_writes_sizing_json_and_a_resolved_config(tmp_path):
     assert record["resolved"] == {"sampler.max_new_tokens": resolved.sampler.max_new_tokens,
                                   "loop.group_size": resolved.loop.group_size,
                                   "loop.prompts_per_step": resolved.loop.prompts_per_step}
-    assert resolved.loop.group_size in (4, 8, 16) and resolved.loop.rollouts_per_step <= 16
+    assert resolved.loop.group_size in (4, 8) and resolved.loop.rollouts_per_step <= 16
     assert 8 <= resolved.sampler.max_new_tokens <= record["evidence"]["cap"] <= 24
     assert record["evidence"]["prompts"] == 16 and record["evidence"]["samples_per_prompt"] == 4
-    assert set(record["predicted_failing"]) == {"4", "8", "16"}
+    assert set(record["predicted_failing"]) == {"4", "8"}   # 16 of 16 rollouts would leave one prompt a step
     assert summary["sizing"]["config"] == record["config"]
     assert summary["session_time_split_s"]["probe"] == pytest.approx(record["time/probe_s"])
     assert record["time/probe_s"] > 0
@@ -421,8 +457,8 @@ def test_group_adapter_applies_the_probe_rule_to_each_window_of_steps_and_keeps_
         record = {}
         adapter.observe(record, _groups_batch(sparse))
         seen.append((record["sizing/group_size"], record["sizing/prompts_per_step"]))
-    g1, _, _ = choose_group_size(sparse * 2, [4, 8, 16], 16, 0.5)
-    assert seen[0] == (4.0, 4.0) and seen[1] == (float(g1), 16.0 / g1) and g1 > 4
+    g1, _, _ = choose_group_size(sparse * 2, [4, 8, 16], sizing.largest_group(run.cfg.sizing), 0.5)
+    assert seen[0] == (4.0, 4.0) and seen[1] == (float(g1), 16.0 / g1) and g1 == 8   # 16 would leave one prompt
     assert run.cfg.loop.rollouts_per_step == 16 and run.cfg.loop.group_size * run.cfg.loop.prompts_per_step == 16
     assert adapter.group_changes[0] == {"step": 2, "from": 4, "to": g1, "failing_seen": 0.75,
                                         "predicted_failing": pytest.approx(predicted_constant_fraction(

@@ -13,7 +13,8 @@ settings, and a rule turns what it measured into numbers:
                     `step_overhead_tokens` + the expected longest response of a step's rollouts (batched
                     generation runs to it). When no B shows any variance, or with `budget_rule=lengths`: the
                     `length_quantile` of the response lengths x `length_headroom`, rounded up to a multiple of 8
-    group_size      the smallest G of `group_sizes` (<= rollouts_per_step) whose predicted fraction of failing
+    group_size      the smallest G of `group_sizes` (<= `largest_group`: rollouts_per_step // min_prompts_per_step)
+                    whose predicted fraction of failing
                     groups (constant, no answer right) is <= `constant_target`, else the G that minimises it (a
                     warning); the smallest G (a warning) when no probe sample was correct, or every one was
     prompts_per_step  max(1, rollouts_per_step // group_size)
@@ -99,6 +100,10 @@ class SizingConfig(Section):
                                    "that max_new_tokens covers (a cut sample counts as the cap)")
     length_headroom: float = Field(1.25, ge=1.0, le=10.0, description="max_new_tokens = quantile x this, rounded "
                                    "up to a multiple of 8")
+    min_prompts_per_step: int = Field(2, ge=1, le=1_000_000, description="an auto loop.group_size leaves at least "
+                                      "this many prompts a step (G <= rollouts_per_step // this; the smallest of "
+                                      "group_sizes if none fits): a step of one prompt pushes the whole model "
+                                      "towards that prompt's answer (docs/theory.md §15)")
     group_sizes: list[int] = Field(default_factory=lambda: [4, 8, 16], min_length=1, description="candidate "
                                    "group sizes, the smallest whose predicted fraction of failing groups (constant, "
                                    "no answer right) is <= constant_target wins")
@@ -237,6 +242,12 @@ def choose_group_size(groups: Sequence[Sequence[float]], candidates: Sequence[in
                              f"groups without a correct answer (target {target:.0%}): most steps will carry little "
                              "gradient; an easier task, an SFT warm-up or a larger sizing.rollouts_per_step would "
                              "help")
+
+
+def largest_group(scfg: SizingConfig) -> int:
+    """The largest group an auto loop.group_size may take: one that leaves `min_prompts_per_step` prompts in a step
+    of `rollouts_per_step` rollouts."""
+    return max(1, scfg.rollouts_per_step // scfg.min_prompts_per_step)
 
 
 def nearest_rank(values: Sequence[int], q: float) -> int:
@@ -438,7 +449,7 @@ def decide(evidence: ProbeEvidence, cfg: TrainConfig) -> SizingDecision:
     group = cfg.loop.group_size
     predicted: dict[int, float] = {}
     if "loop.group_size" in auto:
-        group, predicted, warning = choose_group_size(rewards, scfg.group_sizes, scfg.rollouts_per_step,
+        group, predicted, warning = choose_group_size(rewards, scfg.group_sizes, largest_group(scfg),
                                                       scfg.constant_target, scfg.prior)
         resolved["loop.group_size"] = group
         warnings += [warning] if warning else []
@@ -785,7 +796,7 @@ class SizingAdapter:
         if self.window_steps < scfg.adapt_group_steps:
             return
         old = self.group_size
-        new, predicted, _ = choose_group_size(self.window, scfg.group_sizes, scfg.rollouts_per_step,
+        new, predicted, _ = choose_group_size(self.window, scfg.group_sizes, largest_group(scfg),
                                               scfg.constant_target, scfg.prior)
         seen = failing_fraction(self.window)
         self.window, self.window_steps = [], 0

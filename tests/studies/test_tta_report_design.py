@@ -1,11 +1,11 @@
-"""Design C's verdict (studies/tta/report_c.py) on hand-made results: the medians over seeds, the gain over TRL
+"""A design's verdict (studies/tta/report_design.py) on hand-made results: the medians over seeds, the gain over TRL
 per task, the two rules and an incomplete study reported as such."""
 
 from __future__ import annotations
 
 import json
 
-from studies.tta.report_c import load, report
+from studies.tta.report_design import load, report
 
 
 def _write(root, task, seed, covrl, trl, constant=0.3):
@@ -30,3 +30,11 @@ def test_medians_gains_and_the_rules(tmp_path):
     assert "Rule 1 (covrl >= trl on every task, median over seeds) on the complete tasks: fails on mul1." in text
     assert "Rule 2 (median gain over tasks >= 10 points) on the complete tasks: +5 points, fails." in text
     assert "median over the complete tasks: 45%." in text
+
+
+def test_a_gain_of_ten_points_holds_in_whole_points(tmp_path):
+    # 0.6 - 0.4 is 0.19999... in floating point: accuracies are counts out of 50, compared in whole points
+    for task, (c, t) in {"add1": (0.96, 0.96), "add2": (0.6, 0.4)}.items():
+        for seed in range(3):
+            _write(tmp_path, task, seed, c, t)
+    assert "on the complete tasks: +10 points, holds." in report(load(tmp_path))

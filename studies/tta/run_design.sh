@@ -1,14 +1,16 @@
 #!/bin/bash
-# Design C (DESIGN_C.md): every task x seed in the design's order, two at a time (one per core; WORKERS=1 runs
-# one at a time), each with the design's command. A task x seed whose result exists is skipped, so the script can
-# be run again to go on.
+# A registered design of the suite against TRL (DESIGN_C.md, DESIGN_D.md; `bash studies/tta/run_design.sh D`):
+# every task x seed in the design's order, two at a time (one per core; WORKERS=1 runs one at a time), each with
+# the design's command, results under studies/tta/runs/<design>/. A task x seed whose result exists is skipped,
+# so the script can be run again to go on.
 cd "$(dirname "$0")/../.."
+DESIGN=${1:?usage: run_design.sh C|D}
 TASKS="add1 add2 mul1 count_letters reverse_word rg_leg_counting rg_gcd rg_simple_equations rg_spell_backward rg_word_sorting rg_basic_arithmetic"
 COVRL=${COVRL:-.venv/bin/covrl}
 jobs=()
 for task in $TASKS; do for seed in 0 1 2; do jobs+=("$task $seed"); done; done
 run_one() {
-  local task=$1 seed=$2 out=studies/tta/runs/C/$1-s$2
+  local task=$1 seed=$2 out=studies/tta/runs/$DESIGN/$1-s$2
   if ls "$out"/*/*.json >/dev/null 2>&1; then return; fi
   mkdir -p "$out"
   "$COVRL" bench tta --model smollm2 --tasks "$task" --seeds "$seed" --budget-s 240 --out "$out" > "$out/log.txt" 2>&1

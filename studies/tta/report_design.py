@@ -1,9 +1,9 @@
-"""Design C's tables and verdict (DESIGN_C.md) from its results: every `studies/tta/runs/C/<task>-s<seed>/` that
-`run_design_c.sh` finished (`covrl bench tta` JSON). Per task: each arm's final greedy accuracy per seed and the
+"""A registered design's tables and verdict (DESIGN_C.md, DESIGN_D.md: the same rules) from its results: every
+`studies/tta/runs/<design>/<task>-s<seed>/` that `run_design.sh` finished (`covrl bench tta` JSON). Per task: each arm's final greedy accuracy per seed and the
 median, covrl's gain over `trl` (median over seeds), covrl's fraction of constant groups; then the verdict rules
 over the tasks that have all three seeds. Prints markdown; nothing is written.
 
-    python -m studies.tta.report_c
+    python -m studies.tta.report_design D
 """
 
 from __future__ import annotations
@@ -12,14 +12,14 @@ import json
 import statistics
 from pathlib import Path
 
-RUNS = Path(__file__).resolve().parent / "runs" / "C"
+RUNS = Path(__file__).resolve().parent / "runs"
 TASKS = ("add1", "add2", "mul1", "count_letters", "reverse_word", "rg_leg_counting", "rg_gcd", "rg_simple_equations",
          "rg_spell_backward", "rg_word_sorting", "rg_basic_arithmetic")
 SEEDS = (0, 1, 2)
 ARMS = ("covrl", "trl", "trl_sized")
 
 
-def load(runs: Path = RUNS) -> dict[tuple[str, int], dict]:
+def load(runs: Path) -> dict[tuple[str, int], dict]:
     """(task, seed) -> that run's task result (arms, probe, ...), for every finished task x seed."""
     out = {}
     for folder in sorted(runs.glob("*-s[0-9]")):
@@ -49,7 +49,9 @@ def report(results: dict[tuple[str, int], dict]) -> str:
             known = [x for x in per_seed if x is not None]
             cells.append(" / ".join(pct(x) for x in per_seed) + (f": **{pct(statistics.median(known))}**"
                                                                   if known else ""))
-        diffs = [c - t for c, t in zip(finals["covrl"], finals["trl"]) if c is not None and t is not None]
+        # in whole points: accuracies are k / 50, and 0.6 - 0.4 < 0.2 in floating point would fail rule 2 at +10
+        diffs = [round(100 * (c - t)) / 100 for c, t in zip(finals["covrl"], finals["trl"])
+                 if c is not None and t is not None]
         gains[task] = statistics.median(diffs) if diffs else None
         const = [results[(task, s)]["arms"]["covrl"].get("constant_groups") for s in seeds]
         const = [c for c in const if c is not None]
@@ -70,15 +72,19 @@ def report(results: dict[tuple[str, int], dict]) -> str:
         lines.append(f"Rule 1 (covrl >= trl on every task, median over seeds) on the complete tasks: "
                      f"{'holds' if every else 'fails on ' + ', '.join(t for t in done if gains[t] < 0)}.")
         lines.append(f"Rule 2 (median gain over tasks >= 10 points) on the complete tasks: {100 * median_gain:+.0f} "
-                     f"points, {'holds' if median_gain >= 0.10 else 'fails'}.")
+                     f"points, {'holds' if round(100 * median_gain) >= 10 else 'fails'}.")
         if known:
             lines.append(f"Reported: covrl's constant-group fraction, median over the complete tasks: "
                          f"{pct(statistics.median(known))}.")
     return "\n".join(lines)
 
 
-def main() -> int:
-    print(report(load()))
+def main(argv: list[str] | None = None) -> int:
+    import argparse
+
+    parser = argparse.ArgumentParser(description="a registered design's tables and verdict")
+    parser.add_argument("design", choices=["C", "D"])
+    print(report(load(RUNS / parser.parse_args(argv).design)))
     return 0
 
 
