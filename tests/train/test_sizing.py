@@ -73,6 +73,14 @@ def test_the_prior_is_pooled_over_the_task_s_prompts():
     assert g == 16 and "even loop.group_size=16" in warning
 
 
+def test_a_prediction_just_above_the_target_is_not_printed_equal_to_it():
+    # a target a hair below the prediction: whole percents would print the two equal
+    groups = [[1.0, 0.0, 0.0, 0.0]] * 16
+    g, predicted, warning = choose_group_size(groups, [4], budget=4, target=predicted_constant_fraction(
+        groups, 4, failing_only=True) - 1e-4)
+    assert g == 4 and f"an expected {predicted[4]:.1%} of the groups" in warning
+
+
 def test_half_right_prompts_take_groups_of_four():
     groups = [[1.0, 0.0, 1.0, 0.0] for _ in range(16)]
     g, predicted, warning = choose_group_size(groups, [4, 8, 16], budget=16, target=0.5)

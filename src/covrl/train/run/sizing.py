@@ -238,7 +238,9 @@ def choose_group_size(groups: Sequence[Sequence[float]], candidates: Sequence[in
         if predicted[g] <= target:
             return g, predicted, None
     best = min(allowed, key=lambda g: (predicted[g], -g))
-    return best, predicted, (f"even loop.group_size={best} leaves an expected {predicted[best]:.0%} of the "
+    # one decimal where whole percents would print the prediction equal to the target it missed
+    digits = 1 if round(100 * predicted[best]) == round(100 * target) else 0
+    return best, predicted, (f"even loop.group_size={best} leaves an expected {predicted[best]:.{digits}%} of the "
                              f"groups without a correct answer (target {target:.0%}): most steps will carry little "
                              "gradient; an easier task, an SFT warm-up or a larger sizing.rollouts_per_step would "
                              "help")
