@@ -14,9 +14,9 @@ settings, and a rule turns what it measured into numbers:
                     generation runs to it). When no B shows any variance, or with `budget_rule=lengths`: the
                     `length_quantile` of the response lengths x `length_headroom`, rounded up to a multiple of 8
     group_size      the smallest G of `group_sizes` (<= `largest_group`: rollouts_per_step // min_prompts_per_step)
-                    whose predicted fraction of failing
-                    groups (constant, no answer right) is <= `constant_target`, else the G that minimises it (a
-                    warning); the smallest G (a warning) when no probe sample was correct, or every one was
+                    whose predicted fraction of failing groups (constant, no answer right) is <= `constant_target`,
+                    else the G that minimises it (a warning); the smallest G (a warning) when no probe sample was
+                    correct, or every one was
     prompts_per_step  max(1, rollouts_per_step // group_size)
 
 The predicted fraction of failing groups of G is the posterior predictive probability that G new samples of a
@@ -81,8 +81,8 @@ class SizingConfig(Section):
     from a probe of its sampler before step 1 (docs/training.md, 'Sizing a run from the sampler')."""
 
     rollouts_per_step: int = Field(16, ge=1, le=1_000_000, description="rollouts per step when loop.group_size "
-                                   "or loop.prompts_per_step is auto: group_size <= this, prompts_per_step = "
-                                   "max(1, this // group_size)")
+                                   "or loop.prompts_per_step is auto: group_size <= this // min_prompts_per_step, "
+                                   "prompts_per_step = max(1, this // group_size)")
     probe_prompts: int = Field(16, ge=1, le=4096, description="training prompts the probe samples (the stream's "
                                "first ones; the stream does not advance)")
     probe_samples: int = Field(4, ge=2, le=256, description="completions per probed prompt")
