@@ -16,6 +16,7 @@ and the greedy accuracy at each evaluation (the task's first 50 held-out prompts
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import shutil
 import tempfile
@@ -107,7 +108,7 @@ def main(argv: list[str] | None = None) -> int:
                     f"failing {rec['failing_groups']:.0%}, grad {rec.get('grad_norm', float('nan')):.2f}, "
                     f"clock {clock:.0f} s")
             if k % args.eval_every == 0 or k == args.steps:
-                with run.sizing_adapter.evaluation_budget() if run.sizing_adapter else _null():
+                with run.sizing_adapter.evaluation_budget() if run.sizing_adapter else contextlib.nullcontext():
                     acc = evaluate()
                 result["evals"].append({"step": k, "clock_s": clock, "accuracy": acc})
                 line += f", greedy {acc:.0%}"
@@ -144,12 +145,6 @@ def report(paths) -> str:
         rows.append(f"| {r['task']} | {r['seed']} | {r['variant']} | {', '.join(shapes)} | {curve} | "
                     f"**{100 * mean:.0f}%** | {ent} |")
     return "\n".join(rows)
-
-
-def _null():
-    import contextlib
-
-    return contextlib.nullcontext()
 
 
 if __name__ == "__main__":
