@@ -1,13 +1,16 @@
-"""A registered design's tables and verdict (DESIGN_C.md, DESIGN_D.md: the same rules) from its results: every
-`studies/tta/runs/<design>/<task>-s<seed>/` that `run_design.sh` finished (`covrl bench tta` JSON). Per task: each arm's final greedy accuracy per seed and the
-median, covrl's gain over `trl` (median over seeds), covrl's fraction of constant groups; then the verdict rules
-over the tasks that have all three seeds. Prints markdown; nothing is written.
+"""A registered design's tables and verdict (DESIGN_C.md, DESIGN_D.md, DESIGN_E.md: the same rules) from its
+results: every `studies/tta/runs/<folder>/<task>-s<seed>/` that `run_design.sh` finished (`covrl bench tta` JSON),
+read from the design's folders in order (design E reads its own, then design D's runs it reuses). Per task: each
+arm's final greedy accuracy per seed and the median, covrl's gain over `trl` (median over seeds), covrl's fraction
+of constant groups; then the verdict rules over the design's tasks that have all three seeds, and the tasks it
+reports outside the verdict. Prints markdown; nothing is written.
 
-    python -m studies.tta.report_design D
+    python -m studies.tta.report_design E
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import statistics
 from pathlib import Path
@@ -19,13 +22,41 @@ SEEDS = (0, 1, 2)
 ARMS = ("covrl", "trl", "trl_sized")
 
 
-def load(runs: Path) -> dict[tuple[str, int], dict]:
-    """(task, seed) -> that run's task result (arms, probe, ...), for every finished task x seed."""
-    out = {}
-    for folder in sorted(runs.glob("*-s[0-9]")):
-        for path in folder.glob("*/*.json"):
-            for result in json.loads(path.read_text())["results"]["tasks"]:
-                out[(result["task"], int(result["seed"]))] = result | {"source": str(path)}
+@dataclasses.dataclass(frozen=True)
+class Design:
+    tasks: tuple[str, ...]             # the verdict's tasks
+    folders: tuple[str, ...]           # run folders under runs/, read in order (the first run of a task x seed wins)
+    reported: tuple[str, ...] = ()     # tasks reported outside the verdict ...
+    reported_folders: tuple[str, ...] = ()   # ... from these folders
+
+    def results(self, runs: Path) -> dict[tuple[str, int], dict]:
+        verdict = load(*(runs / f for f in self.folders))
+        outside = load(*(runs / f for f in self.reported_folders))
+        return ({k: v for k, v in verdict.items() if k[0] in self.tasks}
+                | {k: v for k, v in outside.items() if k[0] in self.reported})
+
+
+DESIGNS = {
+    "C": Design(TASKS, ("C",)),
+    "D": Design(TASKS, ("D",)),
+    # DESIGN_E.md: the tasks where the untrained model's probe saw a correct sample, add1 and the tasks without
+    # one reported from designs D and C
+    "E": Design(("add2", "mul1", "count_letters", "sub1", "rg_chain_sum_ln", "rg_basic_arithmetic_ln", "rg_gcd_ln",
+                 "rg_leg_counting_ln", "rg_simple_equations_ln"), ("E", "D"),
+                reported=("add1", "reverse_word", "rg_spell_backward", "rg_word_sorting", "rg_basic_arithmetic",
+                          "rg_gcd", "rg_leg_counting", "rg_simple_equations"), reported_folders=("D", "C")),
+}
+
+
+def load(*folders: Path) -> dict[tuple[str, int], dict]:
+    """(task, seed) -> that run's task result (arms, probe, ...), for every finished task x seed; a task x seed
+    found in several folders is taken from the first."""
+    out: dict[tuple[str, int], dict] = {}
+    for runs in folders:
+        for folder in sorted(runs.glob("*-s[0-9]")):
+            for path in folder.glob("*/*.json"):
+                for result in json.loads(path.read_text())["results"]["tasks"]:
+                    out.setdefault((result["task"], int(result["seed"])), result | {"source": str(path)})
     return out
 
 
@@ -33,11 +64,14 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
-def report(results: dict[tuple[str, int], dict]) -> str:
-    rows = ["| task | seeds | " + " | ".join(f"{arm} (per seed: median)" for arm in ARMS)
-            + " | covrl - trl (median) | covrl constant groups (median) |", "|---|---|---|---|---|---|---|"]
+def report(results: dict[tuple[str, int], dict], tasks: tuple[str, ...] = TASKS, reported: tuple[str, ...] = ()) -> str:
+    header = ["| task | seeds | " + " | ".join(f"{arm} (per seed: median)" for arm in ARMS)
+              + " | covrl - trl (median) | covrl constant groups (median) |", "|---|---|---|---|---|---|---|"]
+    rows = list(header)
     gains, constants, complete = {}, {}, []
-    for task in TASKS:
+    for task in (*tasks, *reported):
+        if task == (reported or (None,))[0]:   # the tasks outside the verdict get a table of their own
+            rows += ["", "Reported, not in the verdict:", "", *header]
         seeds = [s for s in SEEDS if (task, s) in results]
         if not seeds:
             continue
@@ -56,15 +90,16 @@ def report(results: dict[tuple[str, int], dict]) -> str:
         const = [results[(task, s)]["arms"]["covrl"].get("constant_groups") for s in seeds]
         const = [c for c in const if c is not None]
         constants[task] = statistics.median(const) if const else None
-        if len(seeds) == len(SEEDS):
+        if len(seeds) == len(SEEDS) and task in tasks:
             complete.append(task)
         gain = "-" if gains[task] is None else f"{100 * gains[task]:+.0f} pts"
         rows.append(f"| {task} | {', '.join(map(str, seeds))} | " + " | ".join(cells)
                     + f" | {gain} | {pct(constants[task])} |")
     lines = ["\n".join(rows), ""]
     done = [t for t in complete if gains[t] is not None]
-    if len(done) < len(TASKS):
-        lines.append(f"Verdict: not yet: {len(done)} of {len(TASKS)} tasks have all three seeds ({', '.join(done) or 'none'}).")
+    if len(done) < len(tasks):
+        lines.append(f"Verdict: not yet: {len(done)} of {len(tasks)} tasks have all three seeds "
+                     f"({', '.join(done) or 'none'}).")
     if done:
         every = all(gains[t] >= 0 for t in done)
         median_gain = statistics.median(gains[t] for t in done)
@@ -83,8 +118,9 @@ def main(argv: list[str] | None = None) -> int:
     import argparse
 
     parser = argparse.ArgumentParser(description="a registered design's tables and verdict")
-    parser.add_argument("design", choices=["C", "D"])
-    print(report(load(RUNS / parser.parse_args(argv).design)))
+    parser.add_argument("design", choices=sorted(DESIGNS))
+    design = DESIGNS[parser.parse_args(argv).design]
+    print(report(design.results(RUNS), design.tasks, design.reported))
     return 0
 
 

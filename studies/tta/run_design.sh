@@ -1,11 +1,16 @@
 #!/bin/bash
-# A registered design of the suite against TRL (DESIGN_C.md, DESIGN_D.md; `bash studies/tta/run_design.sh D`):
+# A registered design of the suite against TRL (DESIGN_C.md, DESIGN_D.md, DESIGN_E.md; `bash studies/tta/run_design.sh E`):
 # every task x seed in the design's order, two at a time (one per core; WORKERS=1 runs one at a time), each with
 # the design's command, results under studies/tta/runs/<design>/. A task x seed whose result exists is skipped,
 # so the script can be run again to go on.
 cd "$(dirname "$0")/../.."
-DESIGN=${1:?usage: run_design.sh C|D}
-TASKS="add1 add2 mul1 count_letters reverse_word rg_leg_counting rg_gcd rg_simple_equations rg_spell_backward rg_word_sorting rg_basic_arithmetic"
+DESIGN=${1:?usage: run_design.sh C|D|E}
+case $DESIGN in
+  C|D) TASKS="add1 add2 mul1 count_letters reverse_word rg_leg_counting rg_gcd rg_simple_equations rg_spell_backward rg_word_sorting rg_basic_arithmetic" ;;
+  # design E runs its six new tasks; its other three are design D's runs (DESIGN_E.md, "Reused runs")
+  E) TASKS="sub1 rg_chain_sum_ln rg_basic_arithmetic_ln rg_gcd_ln rg_leg_counting_ln rg_simple_equations_ln" ;;
+  *) echo "unknown design $DESIGN" >&2; exit 2 ;;
+esac
 COVRL=${COVRL:-.venv/bin/covrl}
 jobs=()
 for task in $TASKS; do for seed in 0 1 2; do jobs+=("$task $seed"); done; done

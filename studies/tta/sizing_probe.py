@@ -26,11 +26,19 @@ AUTO_SIZES = {"sampler.max_new_tokens": "auto", "loop.group_size": "auto", "loop
 DEFAULT_TASK = "add1"   # configs/default.yaml's own task, no overrides
 
 
+def suite_task(name: str):
+    """The task of studies/tta/tasks.py, else of `covrl bench tta`'s suite (covrl.bench.tta_suite: the tasks
+    added for design E)."""
+    from covrl.bench.tta_suite import TASKS
+
+    return TTA_TASKS[name] if name in TTA_TASKS else TASKS[name]
+
+
 def sizing_config(name: str, extra: dict | None = None):
     """configs/default.yaml + the task's overrides (not its fixed budget) + auto for the three sized fields."""
     from covrl.config import load_preset
 
-    overrides = {} if name == DEFAULT_TASK else dict(TTA_TASKS[name].overrides)
+    overrides = {} if name == DEFAULT_TASK else dict(suite_task(name).overrides)
     return load_preset("default", {**overrides, **AUTO_SIZES, "run.num_threads": 1, "logging.console": False,
                                    **(extra or {})})
 
@@ -53,7 +61,7 @@ def probe_one(name: str, extra: dict | None = None) -> dict:
     resolved = resolve_config(cfg, record["resolved"])
     record["config"] = {f"{s}.{f}": getattr(getattr(resolved, s), f) for s, f in AUTO_FIELDS}
     # the budget the suite fixes for the task (16: configs/default.yaml's, for add1)
-    record["suite_budget"] = TTA_TASKS[name].max_new_tokens if name in TTA_TASKS else 16
+    record["suite_budget"] = 16 if name == DEFAULT_TASK else suite_task(name).max_new_tokens
     record["former_rule"] = former_rule(record["samples"]["rewards"], cfg.sizing)
     record["prompts_with_a_correct_sample"] = 1 - record["evidence"]["prompts_all_wrong"] / record["evidence"][
         "prompts"]

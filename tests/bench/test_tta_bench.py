@@ -102,3 +102,24 @@ def test_tta_quick_sizes_covrl_from_its_probe_and_fixed_keeps_the_suite_budget(t
     (task,) = res["tasks"]
     assert task["arms"]["covrl"]["shape"] == {"prompts": 4, "group": 4, "max_new_tokens": 4}
     assert task["arms"]["covrl"]["evals"][0]["train_clock_s"] == 0
+
+
+@pytest.mark.parametrize("name", [n for n in TASKS if n.endswith("_ln") or n == "sub1"])
+def test_last_number_tasks_score_an_explained_answer_by_its_last_number(name, tmp_path):
+    # the point of the _ln tasks: a completion that explains and ends with the right number scores 1, under the
+    # dataset's own scorer it would score less
+    from covrl.config import load_preset
+    from covrl.tasks import build_task
+
+    if TASKS[name].needs:
+        pytest.importorskip(TASKS[name].needs)
+    task = build_task(load_preset("default", materialise(name, tmp_path)).task)
+    try:
+        ex = task.eval[0]
+        wrong = str(int(ex.answer) + 1)
+        out = task.score([f"Let me work it out step by step. The answer is {ex.answer}", ex.answer,
+                          f"The answer is {wrong}"], [ex, ex, ex])
+        assert list(out.correct) == [True, True, False]
+        assert [float(r) for r in out.rewards] == [1.0, 1.0, 0.0]
+    finally:
+        task.close()

@@ -38,3 +38,20 @@ def test_a_gain_of_ten_points_holds_in_whole_points(tmp_path):
         for seed in range(3):
             _write(tmp_path, task, seed, c, t)
     assert "on the complete tasks: +10 points, holds." in report(load(tmp_path))
+
+
+def test_a_design_reads_its_folders_in_order_and_reports_tasks_outside_its_verdict(tmp_path):
+    from studies.tta.report_design import Design
+
+    for seed in range(3):
+        _write(tmp_path / "E", "sub1", seed, 0.5, 0.3)           # the design's own runs
+        _write(tmp_path / "D", "add2", seed, 0.6, 0.4)           # reused from another design
+        _write(tmp_path / "D", "add1", seed, 0.98, 0.96)         # reported, outside the verdict
+        _write(tmp_path / "C", "add2", seed, 0.1, 0.9)           # an older rule's run: not read for the verdict
+        _write(tmp_path / "C", "rg_gcd", seed, 0.0, 0.0)
+    design = Design(("sub1", "add2"), ("E", "D"), reported=("add1", "rg_gcd"), reported_folders=("D", "C"))
+    text = report(design.results(tmp_path), design.tasks, design.reported)
+    verdict, outside = text.split("Reported, not in the verdict:")
+    assert "| sub1 | 0, 1, 2 | 50% / 50% / 50%: **50%**" in verdict and "| add2 | 0, 1, 2 | 60%" in verdict
+    assert "| add1 |" in outside and "| rg_gcd | 0, 1, 2 | 0%" in outside and "| add1 |" not in verdict
+    assert "on the complete tasks: +20 points, holds." in text      # over sub1 and add2 only
