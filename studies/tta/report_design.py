@@ -1,11 +1,11 @@
-"""A registered design's tables and verdict (DESIGN_C.md, DESIGN_D.md, DESIGN_E.md: the same rules) from its
+"""A registered design's tables and verdict (DESIGN_C.md to DESIGN_F.md: the same rules) from its
 results: every `studies/tta/runs/<folder>/<task>-s<seed>/` that `run_design.sh` finished (`covrl bench tta` JSON),
 read from the design's folders in order (design E reads its own, then design D's runs it reuses). Per task: each
 arm's final greedy accuracy per seed and the median, covrl's gain over `trl` (median over seeds), covrl's fraction
 of constant groups; then the verdict rules over the design's tasks that have all three seeds, and the tasks it
 reports outside the verdict. Prints markdown; nothing is written.
 
-    python -m studies.tta.report_design E
+    python -m studies.tta.report_design F
 """
 
 from __future__ import annotations
@@ -45,6 +45,14 @@ DESIGNS = {
                  "rg_leg_counting_ln", "rg_simple_equations_ln"), ("E", "D"),
                 reported=("add1", "reverse_word", "rg_spell_backward", "rg_word_sorting", "rg_basic_arithmetic",
                           "rg_gcd", "rg_leg_counting", "rg_simple_equations"), reported_folders=("D", "C")),
+    # DESIGN_F.md: lr 1e-5; the tasks with a probe signal that no default was chosen on; add2 and mul1 (the lr
+    # was diagnosed on them) and the tasks without a signal reported, from F's runs first
+    "F": Design(("count_letters", "sub1", "rg_chain_sum_ln", "rg_basic_arithmetic_ln", "rg_gcd_ln",
+                 "rg_leg_counting_ln", "rg_simple_equations_ln", "rg_letter_counting_ln", "rg_lcm_ln",
+                 "rg_count_bits_ln", "rg_products_ln"), ("F",),
+                reported=("add2", "mul1", "reverse_word", "rg_spell_backward", "rg_word_sorting",
+                          "rg_basic_arithmetic", "rg_gcd", "rg_leg_counting", "rg_simple_equations"),
+                reported_folders=("F", "D", "C")),
 }
 
 

@@ -123,3 +123,36 @@ def test_last_number_tasks_score_an_explained_answer_by_its_last_number(name, tm
         assert [float(r) for r in out.rewards] == [1.0, 1.0, 0.0]
     finally:
         task.close()
+
+
+@pytest.mark.parametrize("probe_shape, runs_trl_sized", [((2, 8), False), ((4, 4), True)])
+def test_trl_sized_is_not_run_again_when_the_probe_chose_trls_own_shape(probe_shape, runs_trl_sized, tmp_path,
+                                                                        monkeypatch, cache_dir):
+    # at 2 x 8 trl_sized is the trl run itself (same settings, same seed): it reports trl's result, marked
+    import covrl.bench.tta_bench as tta
+
+    prompts, group = probe_shape
+    monkeypatch.setattr(tta, "probe_sizes", lambda cfg: {
+        "config": {"sampler.max_new_tokens": 8, "loop.group_size": group, "loop.prompts_per_step": prompts},
+        "evidence": {}, "predicted_failing": {}, "warnings": [], "time/probe_s": 1.0, "time/probe_cpu_s": 1.0})
+    ran = {}
+
+    def fake_run_arms(specs, progress=None):
+        ran.update(specs)
+        ready = {"accuracy_before": 0.1, "probe_s": 1.0,
+                 "sizes": {"prompts_per_step": prompts, "group_size": group, "max_new_tokens": 8}}
+        records = [{"train_clock_s": 2.0, "accuracy": 0.5 if arm == "trl" else 0.7, "step_time": 2.0,
+                    "reward_mean": 0.3, "gen_tokens": 64, "load1": 1.0} for arm in specs]
+        return {"ready": dict.fromkeys(specs, ready), "records": {a: [r] for a, r in zip(specs, records)}}
+
+    monkeypatch.setattr(tta, "run_arms", fake_run_arms)
+    args = argparse.Namespace(model="tiny", cache_dir=cache_dir, threads=1, quick=True, fixed=False,
+                              eval_interval_s=1.0, eval_prompts=4, budget_s=2.0)
+    result = tta.run_task("add1", 0, args, tta.ARMS, tmp_path, progress=lambda _: None)
+    assert ("trl_sized" in ran) is runs_trl_sized and "trl" in ran and "covrl" in ran
+    sized = result["arms"]["trl_sized"]
+    assert sized["shape"] == {"prompts": prompts, "group": group, "max_new_tokens": 8}
+    if runs_trl_sized:
+        assert "same_as" not in sized and sized["final_accuracy"] == 0.7
+    else:
+        assert sized["same_as"] == "trl" and sized["final_accuracy"] == result["arms"]["trl"]["final_accuracy"]

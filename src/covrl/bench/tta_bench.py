@@ -12,7 +12,8 @@ shared machine hits every arm alike) until each has spent `--budget-s` seconds o
     trl        TRL's GRPOTrainer as a fixed configuration: 2 prompts x 8 completions, the probe's
                max_new_tokens, lr 1e-5 constant, token-mean clipped loss (clip 0.2 / 0.28), no KL, one update
                per batch (covrl.bench.trl_side.grpo_config)
-    trl_sized  the same with covrl's chosen sizes (prompts x group and budget from the probe)
+    trl_sized  the same with covrl's chosen sizes (prompts x group and budget from the probe); where the probe
+               chose 2 x 8 this is the `trl` run itself, so it is not run twice (its result says `same_as: trl`)
 
 Training time is the wall seconds of the steps (generation, reward, update, sync), evaluations excluded. One
 evaluator for every arm: covrl's HF sampler, greedy, the task's first `--eval-prompts` held-out prompts, at the
@@ -245,8 +246,11 @@ def run_task(name: str, seed: int, args, arms: tuple[str, ...], data_dir: Path, 
                             "max_new_tokens": budget})
     trl_shapes = {"trl": {**TRL_FIXED}, "trl_sized": {"n_prompts": prompts, "group_size": group,
                                                       "learning_rate": TRL_FIXED["learning_rate"]}}
+    # the probe chose TRL's own shape: trl_sized would be the trl run again (the same settings and seed; the
+    # two differ only in where the clock stops, a step more or less), so it reports trl's result, marked `same_as`
+    same = "trl" in arms and trl_shapes["trl_sized"] == trl_shapes["trl"]
     for arm, trl in trl_shapes.items():
-        if arm in arms:
+        if arm in arms and not (same and arm == "trl_sized"):
             specs[arm] = ("trl", eval_settings(model, cache_dir, threads, seed, tokens, args, task_dump, **trl))
             shapes[arm] = {"prompts": trl["n_prompts"], "group": trl["group_size"], "max_new_tokens": tokens}
     from covrl.bench.models import model_dir
@@ -264,6 +268,8 @@ def run_task(name: str, seed: int, args, arms: tuple[str, ...], data_dir: Path, 
             shapes[arm] = {"prompts": sizes["prompts_per_step"], "group": sizes["group_size"],
                            "max_new_tokens": sizes["max_new_tokens"], "probe_s": out["ready"][arm]["probe_s"]}
         result["arms"][arm] = {"shape": shapes[arm], **summary, "records": out["records"][arm]}
+    if same and "trl_sized" in arms:
+        result["arms"]["trl_sized"] = {**result["arms"]["trl"], "same_as": "trl"}
     return result
 
 

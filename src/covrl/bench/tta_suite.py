@@ -72,6 +72,16 @@ TASKS: dict[str, SuiteTask] = {
     "rg_chain_sum_ln": _rg_task("chain_sum", {"min_terms": 2, "max_terms": 3, "min_digits": 1, "max_digits": 1}, 24,
                                 "reasoning-gym chain_sum, 2-3 one-digit terms, graded by the last number",
                                 graded_by="last_number"),
+    "rg_letter_counting_ln": _rg_task("letter_counting", {"min_words": 3, "max_words": 5}, 24,
+                                      "reasoning-gym letter_counting, 3-5 words, graded by the last number",
+                                      graded_by="last_number"),
+    "rg_lcm_ln": _rg_task("lcm", {"min_value": 1, "max_value": 20}, 32,
+                          "reasoning-gym lcm of two numbers <= 20, graded by the last number", graded_by="last_number"),
+    "rg_count_bits_ln": _rg_task("count_bits", {"max_n": 64}, 32,
+                                 "reasoning-gym count_bits, n < 64, graded by the last number", graded_by="last_number"),
+    "rg_products_ln": _rg_task("products", {"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}, 24,
+                               "reasoning-gym products, two terms of 1-2 digits, graded by the last number",
+                               graded_by="last_number"),
 }
 
 
