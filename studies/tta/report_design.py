@@ -72,9 +72,28 @@ def pct(x: float | None) -> str:
     return "-" if x is None else f"{100 * x:.0f}%"
 
 
+def _median_of(results, task, seeds, arm, value) -> float | None:
+    known = [v for v in (value(results[(task, s)]["arms"].get(arm, {})) for s in seeds) if v is not None]
+    return statistics.median(known) if known else None
+
+
+def midway(results, task, seeds) -> str:
+    """covrl's and trl's greedy accuracy at the middle evaluation (120 s of 240), median over seeds."""
+    def at_middle(arm: dict):
+        evals = arm.get("evals") or []
+        return evals[len(evals) // 2]["accuracy"] if len(evals) >= 3 else None
+    return " / ".join(pct(_median_of(results, task, seeds, arm, at_middle)) for arm in ("covrl", "trl"))
+
+
+def steps(results, task, seeds) -> str:
+    values = [_median_of(results, task, seeds, arm, lambda a: a.get("steps")) for arm in ("covrl", "trl")]
+    return " / ".join("-" if v is None else f"{v:.0f}" for v in values)
+
+
 def report(results: dict[tuple[str, int], dict], tasks: tuple[str, ...] = TASKS, reported: tuple[str, ...] = ()) -> str:
     header = ["| task | seeds | " + " | ".join(f"{arm} (per seed: median)" for arm in ARMS)
-              + " | covrl - trl (median) | covrl constant groups (median) |", "|---|---|---|---|---|---|---|"]
+              + " | covrl - trl (median) | covrl constant groups (median) | at 120 s: covrl / trl (median) "
+              "| steps: covrl / trl (median) |", "|---|---|---|---|---|---|---|---|---|"]
     rows = list(header)
     gains, constants, complete = {}, {}, []
     for task in (*tasks, *reported):
@@ -102,7 +121,8 @@ def report(results: dict[tuple[str, int], dict], tasks: tuple[str, ...] = TASKS,
             complete.append(task)
         gain = "-" if gains[task] is None else f"{100 * gains[task]:+.0f} pts"
         rows.append(f"| {task} | {', '.join(map(str, seeds))} | " + " | ".join(cells)
-                    + f" | {gain} | {pct(constants[task])} |")
+                    + f" | {gain} | {pct(constants[task])} | {midway(results, task, seeds)} | "
+                    f"{steps(results, task, seeds)} |")
     lines = ["\n".join(rows), ""]
     done = [t for t in complete if gains[t] is not None]
     if len(done) < len(tasks):

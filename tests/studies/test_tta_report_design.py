@@ -11,8 +11,9 @@ from studies.tta.report_design import load, report
 def _write(root, task, seed, covrl, trl, constant=0.3):
     folder = root / f"{task}-s{seed}" / "tta-smollm2"
     folder.mkdir(parents=True)
-    arms = {"covrl": {"final_accuracy": covrl, "constant_groups": constant},
-            "trl": {"final_accuracy": trl}, "trl_sized": {"final_accuracy": trl}}
+    evals = [{"accuracy": 0.1}, {"accuracy": covrl / 2}, {"accuracy": covrl}]   # before, 120 s, 240 s
+    arms = {"covrl": {"final_accuracy": covrl, "constant_groups": constant, "evals": evals, "steps": 30 + seed},
+            "trl": {"final_accuracy": trl, "steps": 14}, "trl_sized": {"final_accuracy": trl}}
     (folder / "cpu.json").write_text(json.dumps({"results": {"tasks": [{"task": task, "seed": seed, "arms": arms}]}}))
 
 
@@ -24,7 +25,7 @@ def test_medians_gains_and_the_rules(tmp_path):
     results = load(tmp_path)
     assert len(results) == 6
     text = report(results)
-    assert "| add2 | 0, 1, 2 | 60% / 50% / 90%: **60%**" in text and "+20 pts | 30% |" in text
+    assert "| add2 | 0, 1, 2 | 60% / 50% / 90%: **60%**" in text and "+20 pts | 30% | 30% / - | 31 / 14 |" in text
     assert "| mul1 | 0, 1, 2 | 10% / 20% / 0%: **10%**" in text and "-10 pts | 60% |" in text
     assert "Verdict: not yet: 2 of 11 tasks" in text
     assert "Rule 1 (covrl >= trl on every task, median over seeds) on the complete tasks: fails on mul1." in text
