@@ -53,6 +53,13 @@ DESIGNS = {
                 reported=("add2", "mul1", "reverse_word", "rg_spell_backward", "rg_word_sorting",
                           "rg_basic_arithmetic", "rg_gcd", "rg_leg_counting", "rg_simple_equations"),
                 reported_folders=("F", "D", "C")),
+    # DESIGN_G.md: design F's tasks and rules; the budget grows only where the steps cut more than the probe saw
+    "G": Design(("count_letters", "sub1", "rg_chain_sum_ln", "rg_basic_arithmetic_ln", "rg_gcd_ln",
+                 "rg_leg_counting_ln", "rg_simple_equations_ln", "rg_letter_counting_ln", "rg_lcm_ln",
+                 "rg_count_bits_ln", "rg_products_ln"), ("G",),
+                reported=("add2", "mul1", "reverse_word", "rg_spell_backward", "rg_word_sorting",
+                          "rg_basic_arithmetic", "rg_gcd", "rg_leg_counting", "rg_simple_equations"),
+                reported_folders=("G", "D", "C")),
 }
 
 

@@ -1,16 +1,17 @@
 #!/bin/bash
-# A registered design of the suite against TRL (DESIGN_C.md, DESIGN_D.md, DESIGN_E.md, DESIGN_F.md; `bash studies/tta/run_design.sh F`):
+# A registered design of the suite against TRL (DESIGN_C.md, DESIGN_D.md, DESIGN_E.md, DESIGN_F.md, DESIGN_G.md; `bash studies/tta/run_design.sh G`):
 # every task x seed in the design's order, two at a time (one per core; WORKERS=1 runs one at a time), each with
 # the design's command, results under studies/tta/runs/<design>/. A task x seed whose result exists is skipped,
 # so the script can be run again to go on.
 cd "$(dirname "$0")/../.."
-DESIGN=${1:?usage: run_design.sh C|D|E|F}
+DESIGN=${1:?usage: run_design.sh C|D|E|F|G}
 case $DESIGN in
   C|D) TASKS="add1 add2 mul1 count_letters reverse_word rg_leg_counting rg_gcd rg_simple_equations rg_spell_backward rg_word_sorting rg_basic_arithmetic" ;;
   # design E runs its six new tasks; its other three are design D's runs (DESIGN_E.md, "Reused runs")
   E) TASKS="sub1 rg_chain_sum_ln rg_basic_arithmetic_ln rg_gcd_ln rg_leg_counting_ln rg_simple_equations_ln" ;;
   # design F: its eleven tasks, then add2 and mul1 (reported outside its verdict)
-  F) TASKS="count_letters sub1 rg_chain_sum_ln rg_basic_arithmetic_ln rg_gcd_ln rg_leg_counting_ln rg_simple_equations_ln rg_letter_counting_ln rg_lcm_ln rg_count_bits_ln rg_products_ln add2 mul1" ;;
+  # design G: design F's tasks and order, the default with the budget rule compared with the probe
+  F|G) TASKS="count_letters sub1 rg_chain_sum_ln rg_basic_arithmetic_ln rg_gcd_ln rg_leg_counting_ln rg_simple_equations_ln rg_letter_counting_ln rg_lcm_ln rg_count_bits_ln rg_products_ln add2 mul1" ;;
   *) echo "unknown design $DESIGN" >&2; exit 2 ;;
 esac
 COVRL=${COVRL:-.venv/bin/covrl}

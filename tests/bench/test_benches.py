@@ -153,3 +153,28 @@ def test_step_quick_packing_compares_padded_and_packed(tmp_path, cache_dir):
     res = run_bench("step", tmp_path, cache_dir, "--packing", "--spread", "2,12", "--rows", "8")["packing"]
     assert res["response_tokens"] < res["padded_tokens"] and res["logprob_max_diff"] < 1e-5
     assert res["padded_s"] > 0 and res["packed_s"] > 0 and len(res["runs"]["packed"]) == len(res["runs"]["padded"])
+
+
+def _die_killed(conn):
+    import os
+    import signal
+    conn.send({"ready": True})
+    os.kill(os.getpid(), signal.SIGKILL)
+
+
+def test_a_worker_killed_between_messages_is_named_with_its_exit_code():
+    """A side's worker killed after a message (the out-of-memory killer) fails the bench with the side and the
+    exit code, not a bare EOFError from the pipe."""
+    import multiprocessing as mp
+
+    from covrl.bench.alternate import _recv
+
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_die_killed, args=(child,))
+    proc.start()
+    child.close()
+    assert _recv(parent, "covrl", 60, proc) == {"ready": True}
+    with pytest.raises(RuntimeError, match=r"covrl worker exited \(code -9\) \(killed: SIGKILL"):
+        _recv(parent, "covrl", 60, proc)
+    proc.join()

@@ -82,3 +82,14 @@ def test_batch_stats_counts_cut_constant_groups_and_variance():
     assert s["constant_groups"] == 0.5
     assert s["reward_var_within"] == pytest.approx((0.25 + 0.0) / 2)
     assert s["length_mean"] == pytest.approx(9 / 4)
+
+
+
+def test_constant_answer_is_the_most_common_held_out_answer(monkeypatch):
+    """studies.tta.constant_answer on a task whose held-out answers are known: the most common one and its share."""
+    from studies.tta import constant_answer as ca
+
+    held_out = [types.SimpleNamespace(answer=a) for a in [1, 1, 2, " 1", 3, 2]]
+    monkeypatch.setattr(ca, "build_task", lambda cfg: types.SimpleNamespace(eval=held_out))
+    assert ca.constant_answer("count_letters") == {"answer": "1", "accuracy": 0.5, "distinct_answers": 3,
+                                                   "prompts": 6}

@@ -434,6 +434,62 @@ def test_adapter_grows_the_budget_after_k_cut_steps_without_contrast_up_to_the_c
     assert run.cfg.sampler.max_new_tokens == 16 and adapter.changes == [] and messages == []
 
 
+def test_cuts_more_than_probe_hand_cases():
+    # the chain_sum case: the probe cut 84% of its 64 samples short of a correct answer at 8 tokens; a step that
+    # cuts all 16 is within two standard errors of it (pooled 0.87, se 0.093, z 1.7): the probe knew
+    assert not sizing.cuts_more_than_probe(1.0, 16, 0.84, 64, 2.0)
+    assert sizing.cuts_more_than_probe(1.0, 16, 0.84, 64, 1.5)
+    # a policy that now cuts most answers where the probe cut a third: it has grown longer than the budget
+    assert sizing.cuts_more_than_probe(0.9, 16, 0.3, 64, 2.0)
+    # equal or smaller fractions never count, whatever z; no variance: only a strictly larger fraction
+    assert not sizing.cuts_more_than_probe(0.5, 16, 0.5, 64, 0.0)
+    assert not sizing.cuts_more_than_probe(1.0, 16, 1.0, 64, 0.0)
+    assert not sizing.cuts_more_than_probe(0.2, 16, 0.6, 64, 0.0)
+    assert sizing.cuts_more_than_probe(1.0, 16, 0.0, 64, 2.0)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(0, 32), st.integers(1, 32), st.integers(0, 64), st.integers(1, 64), st.floats(0, 5))
+def test_cuts_more_than_probe_is_monotone_in_the_step_and_in_z(k, n, j, m, z):
+    k, j = min(k, n), min(j, m)
+    fires = sizing.cuts_more_than_probe(k / n, n, j / m, m, z)
+    if fires and k < n:   # one more cut answer in the step still fires
+        assert sizing.cuts_more_than_probe((k + 1) / n, n, j / m, m, z)
+    if fires:             # a looser threshold still fires
+        assert sizing.cuts_more_than_probe(k / n, n, j / m, m, z / 2)
+    if k / n <= j / m:
+        assert not fires
+
+
+def test_probe_cut_and_wrong_counts_samples_that_reach_each_budget_and_fail_there():
+    samples = {"lengths": [5, 20, 40, 40],   # prompt-major: two prompts x two samples
+               "correct": [[True, True], [False, True]],
+               "correct_at": {"8": [[True, False], [False, False]], "16": [[True, False], [False, True]]}}
+    # at 8: samples 2, 3, 4 reach it, all wrong there; at 16: 2 and 3 (4 is right); at the cap 40: 3 only
+    assert sizing.probe_cut_and_wrong(samples, 40) == {8: 0.75, 16: 0.5, 40: 0.25}
+    assert sizing.probe_cut_and_wrong(None, 40) == {} and sizing.probe_cut_and_wrong({"lengths": []}, 40) == {}
+
+
+def test_adapter_keeps_the_budget_where_the_probe_saw_as_many_answers_cut():
+    # every answer of every step cut and wrong, groups without contrast: the old rule grew the budget at step 2;
+    # the probe had cut 90% of its 64 samples at 16 tokens, so 100% is no news (z 1.3) and 16 stays
+    adapter, run, messages = _adapter(adapt_steps=2, adapt_cut_rate=0.5)
+    adapter.probe_cut_wrong, adapter.probe_samples = {16: 0.9, 24: 0.2, 64: 0.1}, 64
+    for step in range(1, 7):
+        run.step = step
+        adapter.observe({}, _groups_batch([[0.0] * 4] * 4, cut=True))
+    assert run.cfg.sampler.max_new_tokens == 16 and adapter.changes == [] and messages == []
+    # where the probe cut a fifth at 16, the same steps grow it; at 24 the probe's 24-token fraction (0.2) is the
+    # reference, at 40 the largest budget it scored at or below 40 (24)
+    adapter, run, messages = _adapter(adapt_steps=2, adapt_cut_rate=0.5)
+    adapter.probe_cut_wrong, adapter.probe_samples = {16: 0.2, 24: 0.2, 64: 0.1}, 64
+    for step in range(1, 7):
+        run.step = step
+        adapter.observe({}, _groups_batch([[0.0] * 4] * 4, cut=True))
+    assert [c["to"] for c in adapter.changes] == [24, 40, 64] and len(messages) == 1
+    assert "more than the probe did at 16 tokens" in messages[0]
+
+
 def _group_adapter(group_size=4, **sizing_over):
     over = ["loop.group_size=auto", "loop.prompts_per_step=auto"] + [f"sizing.{k}={v}" for k, v in sizing_over.items()]
     cfg = sizing.resolve_config(load_config(None, over), {"loop.group_size": group_size,
@@ -504,6 +560,9 @@ def test_resume_after_the_probe_does_not_probe_again_and_is_exact(tmp_path, monk
             "sizing.length_quantile": 0.1, "sizing.length_headroom": 1.0, "sizing.adapt_cut_rate": 0.01,
             "sizing.adapt_steps": 1, "sizing.adapt_factor": 1.1, "sizing.adapt_group_steps": 1,
             "sizing.rollouts_per_step": 8, "sizing.group_sizes": [2, 4, 8]}
+    # the tiny model cuts every answer, in the probe and in every step alike, so the comparison with the probe
+    # would hold the budget: without the probe's fractions the adapter grows on the cut rate alone
+    monkeypatch.setattr(sizing, "probe_cut_and_wrong", lambda samples, cap: {})
     straight = prepare_run(tiny_cfg(tmp_path, **{"run.name": "straight", **over}), console=False)
     train_sync(straight)
     straight.close()

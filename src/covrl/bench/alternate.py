@@ -103,15 +103,26 @@ def join_workers(procs: dict) -> None:
             proc.terminate()
 
 
+def _exited(side: str, proc) -> str:
+    code = getattr(proc, "exitcode", None)
+    why = " (killed: SIGKILL, often the kernel's out-of-memory killer; see dmesg)" if code == -9 else ""
+    return f"{side} worker exited (code {code}){why} without a result"
+
+
 def _recv(conn, side: str, timeout_s: float, proc=None) -> dict:
     """Next message of a worker; raises if it reports an error, dies silently, or says nothing in time."""
     deadline = time.monotonic() + timeout_s
     while not conn.poll(1.0):
         if proc is not None and not proc.is_alive() and not conn.poll(0):
-            raise RuntimeError(f"{side} worker exited (code {proc.exitcode}) without a result")
+            raise RuntimeError(_exited(side, proc))
         if time.monotonic() > deadline:
             raise TimeoutError(f"{side} worker sent nothing for {timeout_s:.0f} s")
-    msg = conn.recv()
+    try:
+        msg = conn.recv()
+    except EOFError:   # the pipe closed: the worker died between two messages (poll reports a closed pipe as ready)
+        if proc is not None:
+            proc.join(timeout=5)
+        raise RuntimeError(_exited(side, proc)) from None
     if "error" in msg:
         err = RuntimeError(f"{side} worker failed: {msg['error']}\n{msg.get('traceback', '')}")
         err.reason = f"{side} worker failed: {msg['error']}"   # without the traceback

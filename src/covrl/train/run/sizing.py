@@ -29,8 +29,9 @@ seen.
 The run folder keeps the evidence and the choices (`sizing.json`) and the resolved config (config.yaml, numbers
 only); `--resume` takes the numbers from sizing.json and never probes again. With `sizing.adapt`, an `auto`
 max_new_tokens grows by `adapt_factor` (up to the probe's cap) after `adapt_steps` steps in a row that cut more
-than `adapt_cut_rate` of their responses short of a correct answer and left more than `constant_target` of their
-groups without one; the current value is checkpointed with the run (exact resume) and logged as
+than `adapt_cut_rate` of their responses short of a correct answer, more than the probe's samples were cut short of
+one at that budget (by `adapt_cut_z` standard errors: `cuts_more_than_probe`), and left more than
+`constant_target` of their groups without one; the current value is checkpointed with the run (exact resume) and logged as
 `sizing/max_new_tokens`, and evaluations stay at the probe's budget. With auto loop.group_size and
 loop.prompts_per_step, every `adapt_group_steps` steps the group-size rule is applied again to the rewards of those
 steps' groups, and a new G keeps the rollouts per step (`sizing/group_size`, `sizing/prompts_per_step`). A value
@@ -63,9 +64,10 @@ if TYPE_CHECKING:   # the run's config composes this section: imported for types
     from covrl.train.config import TrainConfig
 
 __all__ = ["AUTO", "AUTO_FIELDS", "ProbeEvidence", "SizingAdapter", "SizingConfig", "SizingDecision",
-           "auto_fields", "budget_grid", "choose_group_size", "choose_max_new_tokens", "decide",
-           "expected_longest", "fallback_sizes", "fixed_sizes", "length_budget", "reward_signal", "unsizable_reason",
-           "pooled_prior", "predicted_constant_fraction", "probe_record", "prompt_constant_probability", "size_run"]
+           "auto_fields", "budget_grid", "choose_group_size", "choose_max_new_tokens", "cuts_more_than_probe",
+           "decide", "expected_longest", "fallback_sizes", "fixed_sizes", "length_budget", "reward_signal",
+           "unsizable_reason", "pooled_prior", "predicted_constant_fraction", "probe_cut_and_wrong", "probe_record",
+           "prompt_constant_probability", "size_run"]
 
 AUTO = "auto"
 # the fields the probe can size: (section, field)
@@ -128,6 +130,11 @@ class SizingConfig(Section):
                                   "the responses reached the budget and are not correct, and more than "
                                   "constant_target of the groups are constant, counts towards growing "
                                   "max_new_tokens")
+    adapt_cut_z: float = Field(2.0, ge=0.0, le=100.0, description="such a step must also cut more of its "
+                               "responses short of a correct answer than the probe's samples were at the same "
+                               "budget, by at least this many standard errors of the difference (two-proportion "
+                               "z): the probe chose the budget knowing how much it cuts, so only a policy that "
+                               "cuts more than it did asks for more tokens")
     adapt_steps: int = Field(2, ge=1, le=1000, description="consecutive such steps before max_new_tokens grows")
     adapt_factor: float = Field(1.5, gt=1.0, le=16.0, description="max_new_tokens grows by this factor (rounded "
                                 "up to a multiple of 8)")
@@ -278,6 +285,13 @@ def cut_fraction(lengths: Sequence[int], cap: int) -> float:
     return sum(1 for n in lengths if n >= cap) / max(len(lengths), 1)
 
 
+def cut_wrong_share(lengths: Sequence[int], correct: Sequence[Sequence[bool]], budget: int) -> float:
+    """The fraction of the probe's samples (`lengths`, and each prompt's verdicts at `budget`, prompt-major) that
+    reach `budget` tokens and are not correct there."""
+    flat = [bool(c) for group in correct for c in group]
+    return sum(1 for n, ok in zip(lengths, flat) if n >= budget and not ok) / max(len(lengths), 1)
+
+
 def cut_warning_text(cut: float, cap: int) -> str:
     return (f"{cut:.0%} of the probe's samples reached its budget of {cap} tokens: answers may be longer still "
             "(raise sizing.probe_max_new_tokens, or set sampler.max_new_tokens)")
@@ -398,7 +412,8 @@ class ProbeEvidence:
             "rewards_binary": rewards_are_binary(self.rewards),
             # each candidate budget: the probe's samples truncated there
             "by_budget": {str(b): {"pass_rate": sum(c for g in correct for c in g) / samples,
-                                   "cut_frac": cut_fraction(self.lengths, b)}
+                                   "cut_frac": cut_fraction(self.lengths, b),
+                                   "cut_wrong_frac": cut_wrong_share(self.lengths, correct, b)}
                           for b, correct in sorted(self.correct_by_budget().items())},
         }
 
@@ -678,6 +693,29 @@ def failing_fraction(groups: Sequence[Sequence[float]]) -> float:
     return sum(1 for g in groups if len(set(g)) == 1 and g[0] < 1.0) / max(len(groups), 1)
 
 
+def probe_cut_and_wrong(samples: dict[str, Any] | None, cap: int) -> dict[int, float]:
+    """For each budget the probe scored (sizing.json's `samples`: lengths, and verdicts at each budget and at the
+    cap), the fraction of its samples that reached that budget and were not correct there; {} without samples."""
+    if not samples or not samples.get("lengths"):
+        return {}
+    lengths = [int(n) for n in samples["lengths"]]
+    verdicts = {int(b): c for b, c in samples.get("correct_at", {}).items()} | {int(cap): samples["correct"]}
+    return {budget: cut_wrong_share(lengths, correct, budget) for budget, correct in verdicts.items()}
+
+
+def cuts_more_than_probe(step_frac: float, step_n: int, probe_frac: float, probe_n: int, z: float) -> bool:
+    """Whether a step's fraction of responses cut short of a correct answer (`step_frac` of `step_n`) exceeds the
+    probe's at the same budget (`probe_frac` of `probe_n` samples) by at least `z` standard errors of the
+    difference (two-proportion z with the pooled fraction). Equal fractions never do; with no variance at all
+    (both 0 or both 1) only a strictly larger step fraction does."""
+    diff = step_frac - probe_frac
+    if diff <= 0:
+        return False
+    pooled = (step_frac * step_n + probe_frac * probe_n) / max(step_n + probe_n, 1)
+    se = math.sqrt(max(pooled * (1 - pooled), 0.0) * (1 / max(step_n, 1) + 1 / max(probe_n, 1)))
+    return se == 0 or diff / se >= z
+
+
 def cut_and_wrong_fraction(batch, max_new_tokens: int) -> float:
     """The fraction of a step's responses that reached the budget and are not correct (the grader's verdict, else
     a reward below 1)."""
@@ -692,8 +730,13 @@ class SizingAdapter:
 
     budget  an auto max_new_tokens x `adapt_factor` (rounded up to a multiple of 8, at most `cap`, the probe's
             budget) after `adapt_steps` steps in a row in which more than `adapt_cut_rate` of the responses
-            were cut and not correct, and more than `constant_target` of the groups had no correct answer (cutting
-            is the probe's choice where the cut answers still score, or the steps still carry contrast)
+            were cut and not correct, more of them than of the probe's samples at that budget
+            (`cuts_more_than_probe`, `probe_cut_wrong`: the probe's fraction at each budget it scored; the largest
+            such budget at or below the current one is compared), and more than `constant_target` of the groups had
+            no correct answer. Cutting is the probe's choice where the cut answers still score, where the steps
+            still carry contrast, or where the probe saw as many answers cut: on a task the model mostly fails,
+            most answers are cut and wrong at any budget the probe could choose, and growing it only makes steps
+            longer and teaches longer answers
     groups  with auto loop.group_size and loop.prompts_per_step: after every `adapt_group_steps` steps, the
             probe's group-size rule (`choose_group_size`) applied to the rewards of those steps' groups; a new G
             keeps sizing.rollouts_per_step (prompts_per_step = rollouts // G), and the window starts again
@@ -702,9 +745,12 @@ class SizingAdapter:
     uninterrupted one had. Each step's record gets the sizes of the next step (`sizing/max_new_tokens`,
     `sizing/group_size`, `sizing/prompts_per_step`)."""
 
-    def __init__(self, run, cap: int, *, tokens: bool = True, groups: bool = False):
+    def __init__(self, run, cap: int, *, tokens: bool = True, groups: bool = False,
+                 probe_cut_wrong: dict[int, float] | None = None, probe_samples: int = 0):
         self.run = run
         self.cap = int(cap)
+        self.probe_cut_wrong = dict(probe_cut_wrong or {})
+        self.probe_samples = int(probe_samples)
         self.sized_max_new_tokens = int(run.cfg.sampler.max_new_tokens)   # the probe's choice: evaluations use it
         self.tokens, self.groups = tokens, groups
         self.streak = 0
@@ -771,7 +817,8 @@ class SizingAdapter:
         cut_wrong = cut_and_wrong_fraction(batch, self.max_new_tokens) if batch is not None else \
             record.get("response/at_max_frac", 0.0)
         failing = failing_fraction(groups_of(batch)) if batch is not None else 1.0
-        cutting = cut_wrong > scfg.adapt_cut_rate and failing > scfg.constant_target
+        cutting = cut_wrong > scfg.adapt_cut_rate and failing > scfg.constant_target and self._cuts_more(
+            cut_wrong, len(batch.sequence_rewards) if batch is not None else 1)
         self.streak = self.streak + 1 if cutting else 0
         if self.streak >= scfg.adapt_steps and self.max_new_tokens < self.cap:
             old, new = self.max_new_tokens, min(self.cap, round_up(self.max_new_tokens * scfg.adapt_factor))
@@ -779,10 +826,20 @@ class SizingAdapter:
             self.streak = 0
             self._record(self.changes, {"step": int(self.run.step), "from": old, "to": new}, "warned",
                          f"step {self.run.step}: {scfg.adapt_steps} steps in a row cut more than "
-                         f"{scfg.adapt_cut_rate:.0%} of the responses short of a correct answer, with more than "
-                         f"{scfg.constant_target:.0%} of their groups without one: sampler.max_new_tokens {old} -> "
+                         f"{scfg.adapt_cut_rate:.0%} of the responses short of a correct answer (more than the "
+                         f"probe did at {old} tokens), with more than {scfg.constant_target:.0%} of their groups "
+                         f"without one: sampler.max_new_tokens {old} -> "
                          f"{new} (sizing.adapt; at most {self.cap}; each change: sizing/max_new_tokens in "
                          "metrics.jsonl)")
+
+    def _cuts_more(self, cut_wrong: float, responses: int) -> bool:
+        """Whether the step cut more answers short than the probe did at the current budget (True without the
+        probe's samples: a sizing.json written before they were kept)."""
+        scored = [b for b in self.probe_cut_wrong if b <= self.max_new_tokens]
+        if not scored or not self.probe_samples:
+            return True
+        return cuts_more_than_probe(cut_wrong, responses, self.probe_cut_wrong[max(scored)], self.probe_samples,
+                                    self.run.cfg.sizing.adapt_cut_z)
 
     def _record(self, changes: list, change: dict[str, Any], announced: str, text: str) -> None:
         """Keep `change` in `changes`; say `text` on the run's console for the first change of its kind."""
@@ -842,6 +899,9 @@ def attach_adapter(run, record: dict[str, Any] | None) -> SizingAdapter | None:
     groups = "loop.group_size" in auto and "loop.prompts_per_step" in auto and len(run.cfg.sizing.group_sizes) > 1
     if not (tokens or groups):
         return None
-    adapter = SizingAdapter(run, cap=int(record["evidence"]["cap"]), tokens=tokens, groups=groups)
+    samples = record.get("samples")
+    adapter = SizingAdapter(run, cap=int(record["evidence"]["cap"]), tokens=tokens, groups=groups,
+                            probe_cut_wrong=probe_cut_and_wrong(samples, int(record["evidence"]["cap"])),
+                            probe_samples=len(samples["lengths"]) if samples else 0)
     run.register("sizing", adapter)
     return adapter
