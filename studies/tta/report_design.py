@@ -36,6 +36,13 @@ class Design:
                 | {k: v for k, v in outside.items() if k[0] in self.reported})
 
 
+# DESIGN_F.md's eleven tasks and the tasks it reports outside its verdict (design G keeps both)
+F_TASKS = ("count_letters", "sub1", "rg_chain_sum_ln", "rg_basic_arithmetic_ln", "rg_gcd_ln", "rg_leg_counting_ln",
+           "rg_simple_equations_ln", "rg_letter_counting_ln", "rg_lcm_ln", "rg_count_bits_ln", "rg_products_ln")
+F_REPORTED = ("add2", "mul1", "reverse_word", "rg_spell_backward", "rg_word_sorting", "rg_basic_arithmetic", "rg_gcd",
+              "rg_leg_counting", "rg_simple_equations")
+
+
 DESIGNS = {
     "C": Design(TASKS, ("C",)),
     "D": Design(TASKS, ("D",)),
@@ -47,19 +54,9 @@ DESIGNS = {
                           "rg_gcd", "rg_leg_counting", "rg_simple_equations"), reported_folders=("D", "C")),
     # DESIGN_F.md: lr 1e-5; the tasks with a probe signal that no default was chosen on; add2 and mul1 (the lr
     # was diagnosed on them) and the tasks without a signal reported, from F's runs first
-    "F": Design(("count_letters", "sub1", "rg_chain_sum_ln", "rg_basic_arithmetic_ln", "rg_gcd_ln",
-                 "rg_leg_counting_ln", "rg_simple_equations_ln", "rg_letter_counting_ln", "rg_lcm_ln",
-                 "rg_count_bits_ln", "rg_products_ln"), ("F",),
-                reported=("add2", "mul1", "reverse_word", "rg_spell_backward", "rg_word_sorting",
-                          "rg_basic_arithmetic", "rg_gcd", "rg_leg_counting", "rg_simple_equations"),
-                reported_folders=("F", "D", "C")),
+    "F": Design(F_TASKS, ("F",), reported=F_REPORTED, reported_folders=("F", "D", "C")),
     # DESIGN_G.md: design F's tasks and rules; the budget grows only where the steps cut more than the probe saw
-    "G": Design(("count_letters", "sub1", "rg_chain_sum_ln", "rg_basic_arithmetic_ln", "rg_gcd_ln",
-                 "rg_leg_counting_ln", "rg_simple_equations_ln", "rg_letter_counting_ln", "rg_lcm_ln",
-                 "rg_count_bits_ln", "rg_products_ln"), ("G",),
-                reported=("add2", "mul1", "reverse_word", "rg_spell_backward", "rg_word_sorting",
-                          "rg_basic_arithmetic", "rg_gcd", "rg_leg_counting", "rg_simple_equations"),
-                reported_folders=("G", "D", "C")),
+    "G": Design(F_TASKS, ("G",), reported=F_REPORTED, reported_folders=("G", "D", "C")),
 }
 
 
