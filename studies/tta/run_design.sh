@@ -15,6 +15,12 @@ case $DESIGN in
   *) echo "unknown design $DESIGN" >&2; exit 2 ;;
 esac
 COVRL=${COVRL:-.venv/bin/covrl}
+# These glibc settings keep freed memory in the process instead of handing it back to the kernel. On a VM whose
+# balloon reports free pages to the host, memory handed back is faulted in again at every step: that made both
+# arms' steps up to 2.5 times slower than in design F's runs (studies/tta/README.md section 11, runs/control).
+# They change no number a step computes, only how long it takes, and both arms get them alike.
+export MALLOC_MMAP_THRESHOLD_=${MALLOC_MMAP_THRESHOLD_:-4294967296} MALLOC_TRIM_THRESHOLD_=${MALLOC_TRIM_THRESHOLD_:-68719476736}
+export MALLOC_TOP_PAD_=${MALLOC_TOP_PAD_:-536870912}
 jobs=()
 for task in $TASKS; do for seed in 0 1 2; do jobs+=("$task $seed"); done; done
 run_one() {

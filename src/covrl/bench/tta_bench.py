@@ -25,7 +25,6 @@ table <cpu>.md and the accuracy curves <cpu>.png."""
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
 import shutil
 import sys
@@ -166,9 +165,9 @@ def _entry(kind: str, conn, *payload) -> None:
 def run_arms(specs: dict[str, tuple], timeout_s: float = 3600.0, progress=None) -> dict[str, Any]:
     """Start one worker per arm (`specs`: arm -> (kind, *payload)), each once the one before is ready, and step
     them in turn, the order rotated every round, until each reports `finished`. Returns each arm's ready message and step records."""
-    from covrl.bench.alternate import _recv, join_workers
+    from covrl.bench.alternate import _recv, join_workers, worker_context
 
-    ctx = mp.get_context("spawn")
+    ctx = worker_context()
     procs, conns, ready = {}, {}, {}
     records: dict[str, list[dict]] = {arm: [] for arm in specs}
     try:
