@@ -98,6 +98,11 @@ def test_tta_quick_sizes_covrl_from_its_probe_and_fixed_keeps_the_suite_budget(t
     assert (shape["prompts"], shape["group"], shape["max_new_tokens"]) == (
         probe["loop.prompts_per_step"], probe["loop.group_size"], probe["sampler.max_new_tokens"])
     assert task["arms"]["covrl"]["evals"][0]["train_clock_s"] == shape["probe_s"] > 0
+    first = task["arms"]["covrl"]["records"][0]   # each step says the shape it sampled with
+    assert (first["prompts"], first["group_size"], first["max_new_tokens"]) == (
+        shape["prompts"], shape["group"], shape["max_new_tokens"])
+    for rec in task["arms"]["covrl"]["records"]:   # solved groups are constant groups
+        assert 0.0 <= rec["solved_groups"] <= rec["constant_groups"] <= 1.0
     res = _run(tmp_path / "fixed", cache_dir, "--fixed", "--arms", "covrl")
     (task,) = res["tasks"]
     assert task["arms"]["covrl"]["shape"] == {"prompts": 4, "group": 4, "max_new_tokens": 4}
@@ -156,3 +161,44 @@ def test_trl_sized_is_not_run_again_when_the_probe_chose_trls_own_shape(probe_sh
         assert "same_as" not in sized and sized["final_accuracy"] == 0.7
     else:
         assert sized["same_as"] == "trl" and sized["final_accuracy"] == result["arms"]["trl"]["final_accuracy"]
+
+
+def test_set_overrides_reach_covrl_arm_only(tmp_path, monkeypatch, cache_dir):
+    # `--set` changes covrl's arm; the probe that sizes TRL's arms (and the evaluations) stays the default's
+    import covrl.bench.tta_bench as tta
+
+    probed = []
+
+    def fake_probe(cfg):
+        probed.append(cfg)
+        return {"config": {"sampler.max_new_tokens": 8, "loop.group_size": 8, "loop.prompts_per_step": 2},
+                "evidence": {}, "predicted_failing": {}, "warnings": [], "time/probe_s": 1.0,
+                "time/probe_cpu_s": 1.0}
+
+    ran = {}
+
+    def fake_run_arms(specs, progress=None):
+        ran.update(specs)
+        ready = {"accuracy_before": 0.1, "probe_s": 1.0,
+                 "sizes": {"prompts_per_step": 2, "group_size": 8, "max_new_tokens": 8}}
+        rec = {"train_clock_s": 2.0, "accuracy": 0.5, "step_time": 2.0, "reward_mean": 0.3, "gen_tokens": 64,
+               "load1": 1.0, "constant_groups": 0.5, "solved_groups": 0.25}
+        return {"ready": dict.fromkeys(specs, ready), "records": {a: [dict(rec)] for a in specs}}
+
+    monkeypatch.setattr(tta, "probe_sizes", fake_probe)
+    monkeypatch.setattr(tta, "run_arms", fake_run_arms)
+    parser = argparse.ArgumentParser()
+    tta.configure(parser)
+    args = parser.parse_args(["--quick", "--cache-dir", str(cache_dir), "--set", "selection.strategy=skip_constant",
+                              "--set", "optim.lr=2e-5"])
+    args.model, args.eval_interval_s, args.eval_prompts, args.budget_s = "tiny", 1.0, 4, 2.0
+    result = tta.run_task("add1", 0, args, ("covrl", "trl"), tmp_path, progress=lambda _: None)
+    covrl_cfg = ran["covrl"][1]
+    assert covrl_cfg.selection.strategy == "skip_constant" and covrl_cfg.optim.lr == 2e-5
+    assert probed[0].selection.strategy == "uniform" and probed[0].optim.lr == 1e-5
+    assert result["arms"]["covrl"]["solved_groups"] == 0.25
+    table = tta.table([result], args)
+    assert "with selection.strategy=skip_constant optim.lr=2e-5" in table and "50% (25%)" in table
+    args.covrl_set = ["selection.strategy"]   # not KEY=VALUE: the error names the item
+    with pytest.raises(Exception, match="selection.strategy"):
+        tta.run_task("add1", 0, args, ("covrl",), tmp_path, progress=lambda _: None)

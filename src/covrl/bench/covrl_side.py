@@ -18,6 +18,7 @@ from covrl.bench.settings import StepSettings, bench_train_config
 from covrl.config import load_config
 from covrl.experiment import Arm, ArmRunner
 from covrl.train import DataStream
+from covrl.train.run.sizing import groups_of
 
 
 def covrl_run_config(settings: StepSettings):
@@ -40,11 +41,20 @@ def make_covrl_stepper(runner: ArmRunner):
     """A function () -> step record: one step of the arm (next scored batch, Trainer.step, weight sync), timed."""
 
     def step() -> dict:
+        budget = int(runner.run.cfg.sampler.max_new_tokens)   # the step samples at this; an adapter may change it
         s = runner.step()
         tokens = float(s.batch.num_response_tokens)
+        groups = groups_of(s.batch)
         return {"step_time": s.wall_s, "gen_time": s.wall_generate_s, "gen_tokens": tokens,
                 "trained_tokens": tokens, "reward_mean": float(s.batch.rewards.mean()),
                 "constant_groups": s.metrics.get("zero_variance_groups", float("nan")),
+                # the constant groups whose answers were all right: solved prompts, not failing ones
+                "solved_groups": sum(1 for g in groups if len(set(g)) == 1 and g[0] >= 1.0) / max(len(groups), 1),
+                "prompts": len(groups), "group_size": max((len(g) for g in groups), default=0),
+                "max_new_tokens": budget,
+                # the policy's sharpening (mean token entropy under the sampler) and whether the update moved
+                "entropy": s.metrics.get("entropy", float("nan")), "grad_norm": s.metrics.get("grad_norm", float("nan")),
+                "no_signal_step": s.metrics.get("no_signal_step", float("nan")),
                 "trainer_time": s.metrics.get("time/trainer_step", float("nan")),
                 "forward_backward_time": s.metrics.get("time/forward_backward", float("nan"))}
 

@@ -62,6 +62,10 @@ def configure(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per arm")
     parser.add_argument("--cache-dir", default=None, help="model folder cache (default runs/cache)")
     add_output_options(parser)   # --out, --update-baseline (covrl.bench.common)
+    parser.add_argument("--set", dest="covrl_set", action="append", default=[], metavar="KEY=VALUE",
+                        help="a dotted override of covrl's arm (configs/default.yaml), e.g. "
+                             "--set selection.strategy=skip_constant; repeatable. The probe that sizes the TRL arms "
+                             "and the evaluations stays the default's")
     parser.add_argument("--quick", action="store_true", help="tiny model, one-digit addition, 2 s per arm (tests)")
 
 
@@ -82,6 +86,13 @@ def arm_config(model: str, cache_dir: str, task_overrides: dict, budget: int, se
                  "checkpoint.at_end": False, "logging.console": False, "logging.curves": False,
                  **(AUTO_SIZES if auto else FIXED_SHAPE), **(extra or {})}
     return load_preset("default", overrides)
+
+
+def covrl_overrides(args: argparse.Namespace) -> dict[str, Any]:
+    """`--set KEY=VALUE` items as {dotted key: YAML-parsed value} (a malformed item names itself)."""
+    from covrl.settings.io import parse_overrides
+
+    return {".".join(path): value for path, value, _ in parse_overrides(getattr(args, "covrl_set", []) or [])}
 
 
 def probe_sizes(cfg) -> dict[str, Any]:
@@ -207,12 +218,14 @@ def arm_summary(ready: dict, records: list[dict]) -> dict[str, Any]:
               "accuracy": ready.get("accuracy_before")}]
     evals += [{"train_clock_s": r["train_clock_s"], "accuracy": r["accuracy"]} for r in records if "accuracy" in r]
     constant = [r["constant_groups"] for r in records if isinstance(r.get("constant_groups"), float)]
+    solved = [r["solved_groups"] for r in records if isinstance(r.get("solved_groups"), float)]
     return {"accuracy_before": ready.get("accuracy_before"), "final_accuracy": evals[-1]["accuracy"],
             "evals": evals, "steps": len(records),
             "train_clock_s": records[-1]["train_clock_s"] if records else 0.0,
             "mean_step_s": sum(r["step_time"] for r in records) / max(len(records), 1),
             "reward_mean": sum(r["reward_mean"] for r in records) / max(len(records), 1),
             "constant_groups": sum(constant) / len(constant) if constant else None,
+            "solved_groups": sum(solved) / len(solved) if solved else None,
             "gen_tokens_per_step": sum(r["gen_tokens"] for r in records) / max(len(records), 1),
             "load1_mean": sum(r["load1"] for r in records) / max(len(records), 1)}
 
@@ -238,7 +251,8 @@ def run_task(name: str, seed: int, args, arms: tuple[str, ...], data_dir: Path, 
     specs: dict[str, tuple] = {}
     shapes: dict[str, dict] = {}
     if "covrl" in arms:
-        cfg = arm_config(model, cache_dir, overrides, budget, seed, threads, auto=not args.fixed, extra=extra)
+        cfg = arm_config(model, cache_dir, overrides, budget, seed, threads, auto=not args.fixed,
+                         extra={**extra, **covrl_overrides(args)})
         specs["covrl"] = ("covrl", cfg, eval_settings(model, cache_dir, threads, seed, tokens, args, task_dump))
         shapes["covrl"] = ({"prompts": "auto", "group": "auto", "max_new_tokens": "auto"} if not args.fixed else
                            {"prompts": cfg.loop.prompts_per_step, "group": cfg.loop.group_size,
@@ -277,7 +291,7 @@ def run_task(name: str, seed: int, args, arms: tuple[str, ...], data_dir: Path, 
 
 def table(results: list[dict], args) -> str:
     rows = ["| task | seed | probe: tokens, prompts x G (s) | arm | prompts x G, tokens | before | evaluations "
-            "(train s: greedy) | final | steps | s / step | constant groups |",
+            "(train s: greedy) | final | steps | s / step | constant groups (solved) |",
             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in results:
         p = r["probe"]["config"]
@@ -287,11 +301,15 @@ def table(results: list[dict], args) -> str:
             s = a["shape"]
             evals = ", ".join(f"{e['train_clock_s']:.0f}: {e['accuracy']:.0%}" for e in a["evals"][1:])
             constant = "-" if a["constant_groups"] is None else f"{a['constant_groups']:.0%}"
+            if a.get("solved_groups") is not None:
+                constant += f" ({a['solved_groups']:.0%})"
             rows.append(f"| {r['task']} | {r['seed']} | {probe} | {arm} | {s['prompts']} x {s['group']}, "
                         f"{s['max_new_tokens']} | {a['accuracy_before']:.0%} | {evals} | "
                         f"**{a['final_accuracy']:.0%}** | {a['steps']} | {a['mean_step_s']:.1f} | {constant} |")
     covrl = "covrl: configs/default.yaml + the task" + (" at its budget, 4 x 4" if args.fixed
                                                           else " with auto sizes (its probe on its clock)")
+    if getattr(args, "covrl_set", None):
+        covrl += ", with " + " ".join(args.covrl_set)
     return ("\n".join(rows) + f"\n\n{covrl}; trl: TRL GRPOTrainer 2 x 8, the probe's budget, lr 1e-5; trl_sized: "
             f"TRL with the probe's sizes. Model {args.model}, {args.threads} thread(s) per arm, {args.budget_s:.0f} s "
             f"of training (wall, steps only) per arm; greedy on {args.eval_prompts} held-out prompts at the probe's "
