@@ -18,7 +18,7 @@ from covrl.bench.settings import StepSettings, bench_train_config
 from covrl.config import load_config
 from covrl.experiment import Arm, ArmRunner
 from covrl.train import DataStream
-from covrl.train.run.sizing import groups_of
+from covrl.train.run.sizing import groups_of, solved_fraction
 
 
 def covrl_run_config(settings: StepSettings):
@@ -49,7 +49,7 @@ def make_covrl_stepper(runner: ArmRunner):
                 "trained_tokens": tokens, "reward_mean": float(s.batch.rewards.mean()),
                 "constant_groups": s.metrics.get("zero_variance_groups", float("nan")),
                 # the constant groups whose answers were all right: solved prompts, not failing ones
-                "solved_groups": sum(1 for g in groups if len(set(g)) == 1 and g[0] >= 1.0) / max(len(groups), 1),
+                "solved_groups": solved_fraction(groups),
                 "prompts": len(groups), "group_size": max((len(g) for g in groups), default=0),
                 "max_new_tokens": budget,
                 # the policy's sharpening (mean token entropy under the sampler) and whether the update moved

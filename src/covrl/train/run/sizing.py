@@ -693,6 +693,11 @@ def failing_fraction(groups: Sequence[Sequence[float]]) -> float:
     return sum(1 for g in groups if len(set(g)) == 1 and g[0] < 1.0) / max(len(groups), 1)
 
 
+def solved_fraction(groups: Sequence[Sequence[float]]) -> float:
+    """The fraction of `groups` that are constant at 1 or more: every answer right (a solved prompt)."""
+    return sum(1 for g in groups if len(set(g)) == 1 and g[0] >= 1.0) / max(len(groups), 1)
+
+
 def probe_cut_and_wrong(samples: dict[str, Any] | None, cap: int) -> dict[int, float]:
     """For each budget the probe scored (sizing.json's `samples`: lengths, and verdicts at each budget and at the
     cap), the fraction of its samples that reached that budget and were not correct there; {} without samples."""
