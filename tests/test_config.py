@@ -67,6 +67,8 @@ def test_registry_name_error_lists_registered_names(tmp_path):
 def test_out_of_range_and_unknown_loss_option(tmp_path):
     with pytest.raises(ConfigError, match=r"override 'optim.lr=-1': optim.lr: Input should be greater than 0"):
         load_config(None, ["optim.lr=-1"])
+    with pytest.raises(ConfigError, match=r"override 'algorithm.clip_cov=1': algorithm.clip_cov: Input should be less than 1"):
+        load_config(None, ["algorithm.clip_cov=1"])
     with pytest.raises(ConfigError, match=r"loss_options.clip is not an option of ppo_clip.*clip_high"):
         load_config(None, ["algorithm.loss=ppo_clip", "algorithm.loss_options.clip=0.2"])
 

@@ -11,6 +11,7 @@ case $ARM in
   default) SET=() ;;                                                   # design G's covrl arm on this code
   r32) SET=(--set sizing.rollouts_per_step=32) ;;                      # 32 rollouts a step: fewer, larger steps
   skip) SET=(--set selection.strategy=skip_constant) ;;                # prompts whose last group was constant wait
+  clipcov) SET=(--set algorithm.clip_cov=0.05) ;;                      # Clip-Cov: 5% of each group's tokens (section 13)
   *) echo "unknown arm $ARM" >&2; exit 2 ;;
 esac
 COVRL=${COVRL:-.venv/bin/covrl}

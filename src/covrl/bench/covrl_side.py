@@ -55,6 +55,7 @@ def make_covrl_stepper(runner: ArmRunner):
                 # the policy's sharpening (mean token entropy under the sampler) and whether the update moved
                 "entropy": s.metrics.get("entropy", float("nan")), "grad_norm": s.metrics.get("grad_norm", float("nan")),
                 "no_signal_step": s.metrics.get("no_signal_step", float("nan")),
+                "clip_cov_clipped": s.metrics.get("clip_cov/clipped_frac", float("nan")),   # algorithm.clip_cov
                 "trainer_time": s.metrics.get("time/trainer_step", float("nan")),
                 "forward_backward_time": s.metrics.get("time/forward_backward", float("nan"))}
 

@@ -25,6 +25,7 @@ from covrl.math.correction import (
     correction_metrics,
     rollout_correction,
 )
+from covrl.math.entropy import ClipCovOutput, clip_cov_keep, token_covariance
 from covrl.math.kl import KL_ESTIMATORS, kl_estimate
 from covrl.math.logprobs import entropy_from_logits, logit_grad_proxy, sum_pi_squared, token_logprobs
 from covrl.math.losses import (
@@ -43,8 +44,8 @@ __all__ = [
     "ADVANTAGE_ESTIMATORS", "ADVANTAGE_INPUTS", "ADVANTAGE_SPECS", "AGGREGATIONS", "KL_ESTIMATORS", "LOG_RATIO_CLAMP",
     "LOSS_INPUTS",
     "LOSS_SPECS", "POLICY_LOSSES", "REJECTION_CRITERIA",
-    "AdvantageBatch", "AdvantageOutput", "AdvantageSpec", "CorrectionConfig", "CorrectionOutput", "LossOutput",
-    "LossSpec", "advantage_metrics", "aggregate", "clamped_log_ratio", "compute_advantages", "constant_groups", "correction_metrics",
+    "AdvantageBatch", "AdvantageOutput", "AdvantageSpec", "ClipCovOutput", "CorrectionConfig", "CorrectionOutput", "LossOutput",
+    "LossSpec", "advantage_metrics", "aggregate", "clamped_log_ratio", "clip_cov_keep", "compute_advantages", "constant_groups", "correction_metrics",
     "entropy_from_logits", "kl_estimate", "logit_grad_proxy", "make_advantage_batch", "policy_loss",
-    "reject_bool", "rollout_correction", "score_centering_term", "sum_pi_squared", "token_logprobs", "variance_proxies",
+    "reject_bool", "rollout_correction", "score_centering_term", "sum_pi_squared", "token_covariance", "token_logprobs", "variance_proxies",
 ]

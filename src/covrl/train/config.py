@@ -100,6 +100,9 @@ class AlgorithmConfig(Section):
                                                      "sum(l*m)/(B*N); None: the step's padded response width")
     is_weights_in_advantage: bool = Field(True, description="pass rollout-correction IS weights to estimators "
                                                             "that accept them (OTB: w_t <- w_t * rho_t^2)")
+    clip_cov: float = Field(0.0, ge=0, lt=1, description="Clip-Cov: in each group, drop the gradient of this "
+                            "fraction of the tokens whose advantage and sampler log-prob covary most (the tokens "
+                            "whose update lowers the policy's entropy most; docs/theory.md §16); 0: off")
 
     @model_validator(mode="after")
     def _known_options(self) -> AlgorithmConfig:

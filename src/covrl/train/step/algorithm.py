@@ -20,12 +20,14 @@ from covrl.math import (
     LOSS_SPECS,
     AdvantageOutput,
     AdvantageSpec,
+    ClipCovOutput,
     CorrectionConfig,
     CorrectionOutput,
     LossOutput,
     LossSpec,
     advantage_metrics,
     aggregate,
+    clip_cov_keep,
     correction_metrics,
     make_advantage_batch,
     rollout_correction,
@@ -54,6 +56,8 @@ class Algorithm:
     # the reward terms the run's task scores (task.rewards, or one; + the overlong penalty): an estimator that
     # takes per-term rewards (gdpo) must get them from every batch when there are several
     reward_term_count: int = 1
+    # Clip-Cov's share of each group's tokens (0: off)
+    clip_cov: float = 0.0
 
     # ---------------------------------------------------------------------------------------- properties
     @property
@@ -150,6 +154,13 @@ class Algorithm:
                                     truncation=self.score_centering_truncation, agg_mode=self.agg_mode,
                                     norm_constant=self.norm_constant)
 
+    def clip_cov_keep(self, advantages: torch.Tensor, sampler_logprobs: torch.Tensor, keep: torch.Tensor,
+                      group_ids: torch.Tensor) -> ClipCovOutput:
+        """`keep` less Clip-Cov's tokens. The covariance is taken with the sampler's log-probs: on-policy they are
+        the trainer's up to the measured mismatch, and the selection then does not depend on how the trainer's
+        forward is split or cast."""
+        return clip_cov_keep(advantages, sampler_logprobs, keep, group_ids, self.clip_cov)
+
     def aggregate(self, token_loss: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """`token_loss` reduced with the run's agg_mode (and norm_constant)."""
         return aggregate(token_loss, mask, self.agg_mode, norm_constant=self.norm_constant)
@@ -166,4 +177,5 @@ def bind_algorithm(cfg: TrainConfig) -> Algorithm:
                      agg_mode=a.agg_mode, norm_constant=a.norm_constant,
                      is_weights_in_advantage=a.is_weights_in_advantage,
                      score_centering=a.score_centering, score_centering_truncation=a.score_centering_truncation,
+                     clip_cov=a.clip_cov,
                      reward_term_count=max(len(cfg.task.rewards), 1) + int(cfg.task.overlong_reward.buffer > 0))

@@ -56,16 +56,18 @@ def forward_batch(model, batch, temperature: float, *, with_stats: bool = True,
 @dataclass
 class Prepared:
     """Detached advantages, IS weights (None without correction.is_level) and keep-mask of some rows: one
-    micro-batch (from a pre-pass, or computed from its own forward) or the whole batch."""
+    micro-batch (from a pre-pass, or computed from its own forward) or the whole batch; `grad_keep`: the tokens
+    whose gradient the loss keeps where that is fewer than `keep` (algorithm.clip_cov), else None."""
 
     advantages: torch.Tensor | None
     weights: torch.Tensor | None
     keep: torch.Tensor
+    grad_keep: torch.Tensor | None = None
 
     def rows(self, idx: torch.Tensor, width: int) -> Prepared:
         def cut(x):
             return None if x is None else x[idx][:, :width]
-        return Prepared(cut(self.advantages), cut(self.weights), cut(self.keep))
+        return Prepared(cut(self.advantages), cut(self.weights), cut(self.keep), cut(self.grad_keep))
 
 
 @dataclass

@@ -388,7 +388,8 @@ class Trainer:
         weights = alg.is_weights(corr)
         adv = alg.advantages(rewards=rewards, mask=mask, group_ids=batch.group_ids, logprobs=prepass.logprobs,
                              sum_pi_sq=prepass.sum_pi_sq, is_weights=weights, **alg.term_inputs(batch))
-        prepass.prepared = Prepared(adv.advantages, weights, corr.keep)
+        prepass.prepared = Prepared(adv.advantages, weights, corr.keep,
+                                    self._grad_keep(adv.advantages, batch, corr.keep))
         prepass.metrics = {**corr.metrics, **adv.metrics}
 
     def _prepare(self, mb: RolloutBatch, fwd: ResponseForward, rewards: torch.Tensor) -> Prepared:
@@ -401,7 +402,15 @@ class Trainer:
         weights = alg.is_weights(corr)
         adv = alg.advantages(rewards=rewards, mask=mask, group_ids=mb.group_ids, logprobs=lp,
                              sum_pi_sq=fwd.sum_pi_sq, is_weights=weights, with_metrics=False, **alg.term_inputs(mb))
-        return Prepared(adv.advantages, weights, corr.keep)
+        return Prepared(adv.advantages, weights, corr.keep, self._grad_keep(adv.advantages, mb, corr.keep))
+
+    def _grad_keep(self, advantages: torch.Tensor, batch: RolloutBatch, keep: torch.Tensor) -> torch.Tensor | None:
+        """The tokens whose gradient the step keeps, where Clip-Cov drops some of the kept ones (None: `keep`).
+        Its selection is per group, so whole-group micro-batches and the full batch agree (docs/theory.md §16)."""
+        if self.algorithm.clip_cov <= 0:
+            return None
+        return self.algorithm.clip_cov_keep(advantages, batch.sampler_logprobs.float(), keep,
+                                            batch.group_ids).keep.to(keep.dtype)
 
     # ------------------------------------------------------------------------------- stage 5: micro-steps
     def _micro_steps(self, batch: RolloutBatch, rewards: torch.Tensor, ref_lp: torch.Tensor | None,
@@ -501,15 +510,16 @@ class Trainer:
         t = mb.response_ids.shape[1]
         if teacher_lp is not None:   # the learning signal of on-policy distillation, per token
             prep = self._distilled(prep, fwd, teacher_lp[idx][:, :t], mb.train_mask.float())
+        keep = prep.keep if prep.grad_keep is None else prep.grad_keep
         out = alg.policy_loss(logprobs=fwd.logprobs, sampler_logprobs=mb.sampler_logprobs.float(),
-                              advantages=prep.advantages, mask=prep.keep, is_weights=prep.weights)
+                              advantages=prep.advantages, mask=keep, is_weights=prep.weights)
         loss = micro_batch_share(out.token_loss, idx, full_mask, alg.aggregate)
         metrics = dict(out.metrics)
         metrics.pop("loss/value", None)
         metrics["loss/policy"] = float(loss.detach())
         if alg.score_centering:
             sc = alg.score_centering_term(fwd.topk_logprobs, mb.sampler_topk_logprobs.float(), prep.advantages,
-                                          prep.keep)
+                                          keep)
             sc_loss = micro_batch_share(sc.token_loss, idx, full_mask, alg.aggregate)
             loss = loss + sc_loss
             metrics.update({k: v for k, v in sc.metrics.items() if k != "score_center/value"})
@@ -613,6 +623,9 @@ class Trainer:
             else:
                 m.update(alg.advantages(rewards=rewards, mask=mask, group_ids=batch.group_ids, logprobs=lp,
                                         sum_pi_sq=sps, is_weights=weights, **alg.term_inputs(batch)).metrics)
+        given = pieces if pieces is not None else None if prepass is None else prepass.prepared
+        if alg.clip_cov > 0 and given is not None:   # what Clip-Cov took from the full batch
+            m.update(alg.clip_cov_keep(given.advantages, q, given.keep, batch.group_ids).metrics)
         if self.cfg.logging.diagnostics:
             m.update(_tangent_metrics(lp, q, rewards, mask, batch.group_ids))
         m.update(self._fresh_mismatch(batch, lp, q, mask))
