@@ -84,7 +84,7 @@ def clip_cov_keep(advantages: torch.Tensor, logprobs: torch.Tensor, mask: torch.
     quota = torch.floor(counts.double() * fraction + 0.5).long()
     clipped = candidate & (rank < quota[flat_group])
     keep = (m.reshape(-1) * (~clipped).float()).reshape(rows, width)
-    positive = masked_mean(cov.clamp_min(0.0), m) * m.sum()
+    positive = cov.clamp_min(0.0).sum()   # cov is 0 off the mask
     metrics = {"clip_cov/clipped_frac": float(clipped.sum()) / max(float(m.sum()), 1.0),
                "clip_cov/cov_mean": float(masked_mean(cov, m)),
                "clip_cov/clipped_cov_share": (float(flat_cov[clipped].sum() / positive)

@@ -623,7 +623,7 @@ class Trainer:
             else:
                 m.update(alg.advantages(rewards=rewards, mask=mask, group_ids=batch.group_ids, logprobs=lp,
                                         sum_pi_sq=sps, is_weights=weights, **alg.term_inputs(batch)).metrics)
-        given = pieces if pieces is not None else None if prepass is None else prepass.prepared
+        given = pieces if prepass is None else prepass.prepared   # the step's advantages and keep-mask
         if alg.clip_cov > 0 and given is not None:   # what Clip-Cov took from the full batch
             m.update(alg.clip_cov_keep(given.advantages, q, given.keep, batch.group_ids).metrics)
         if self.cfg.logging.diagnostics:
