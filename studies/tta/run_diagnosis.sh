@@ -12,6 +12,8 @@ case $ARM in
   r32) SET=(--set sizing.rollouts_per_step=32) ;;                      # 32 rollouts a step: fewer, larger steps
   skip) SET=(--set selection.strategy=skip_constant) ;;                # prompts whose last group was constant wait
   clipcov) SET=(--set algorithm.clip_cov=0.05) ;;                      # Clip-Cov: 5% of each group's tokens (section 13)
+  clipcov10) SET=(--set algorithm.clip_cov=0.1) ;;                     # Clip-Cov: 10% of each group's tokens (section 14)
+  clipcov20) SET=(--set algorithm.clip_cov=0.2) ;;                     # Clip-Cov: 20% of each group's tokens (section 14)
   *) echo "unknown arm $ARM" >&2; exit 2 ;;
 esac
 COVRL=${COVRL:-.venv/bin/covrl}
